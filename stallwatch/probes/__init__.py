@@ -1,0 +1,1 @@
+"""Probes: each owns one source and returns frozen data. Expected absence is a value."""

@@ -1,0 +1,111 @@
+"""What every probe shares: its report (status and duration) and the deadline runner.
+
+A probe is any object with a `name` and a `collect()` that returns a Frozen observation. It may
+raise; the runner turns Absent/Denied/any exception/a missed deadline into a ProbeReport, so a
+probe that fails or hangs becomes evidence and never a crash or a hung tick.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from concurrent.futures import Future
+from enum import StrEnum
+from typing import Any, Protocol
+
+from stallwatch.clock import Clock, SYSTEM_CLOCK
+from stallwatch.model import Frozen
+from stallwatch.roots import Absent, Denied
+
+
+class ProbeStatus(StrEnum):
+    ok = "ok"
+    absent = "absent"  # the source does not exist here (no GPU, no log yet, no server configured)
+    denied = "denied"  # it exists but we may not read it
+    error = "error"  # it raised something unexpected
+    timeout = "timeout"  # it did not return within its deadline (stuck mount, hung NVML)
+    busy = "busy"  # its previous call is still running (stuck since an earlier tick)
+
+
+class ProbeReport(Frozen):
+    name: str
+    status: ProbeStatus
+    duration_s: float
+    error: str | None = None
+
+
+class Probe(Protocol):
+    name: str
+
+    def collect(self) -> Any: ...
+
+
+class DeadlineRunner:
+    """Runs probe calls in daemon threads with a deadline.
+
+    A thread stuck in the kernel (statvfs on a frozen filesystem, NVML in a wedged driver) cannot
+    be cancelled. We abandon it, report `timeout`, and refuse to start a second call of the same
+    probe while the first is still stuck (`busy`), so stuck threads never pile up.
+    """
+
+    def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
+        self._clock = clock
+        self._inflight: dict[str, Future] = {}
+        self._lock = threading.Lock()
+
+    def stuck(self) -> list[str]:
+        with self._lock:
+            return [k for k, f in self._inflight.items() if not f.done()]
+
+    def call(self, name: str, fn, deadline_s: float) -> tuple[Any, ProbeReport]:
+        t0 = self._clock.monotonic()
+        with self._lock:
+            prev = self._inflight.get(name)
+            if prev is not None and not prev.done():
+                return None, ProbeReport(
+                    name=name, status=ProbeStatus.busy, duration_s=0.0,
+                    error=f"previous call of {name} still has not returned",
+                )
+            fut: Future = Future()
+            self._inflight[name] = fut
+
+        def work() -> None:
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - every failure becomes a report
+                fut.set_exception(e)
+
+        threading.Thread(target=work, name=f"probe-{name}", daemon=True).start()
+        try:
+            value = fut.result(timeout=deadline_s)
+        except TimeoutError:
+            return None, ProbeReport(
+                name=name, status=ProbeStatus.timeout, duration_s=self._clock.monotonic() - t0,
+                error=f"{name} did not return within {deadline_s:g} s",
+            )
+        except BaseException as e:  # noqa: BLE001
+            return None, report_for_exception(name, e, self._clock.monotonic() - t0)
+        return value, ProbeReport(name=name, status=ProbeStatus.ok, duration_s=self._clock.monotonic() - t0)
+
+
+def report_for_exception(name: str, e: BaseException, duration_s: float) -> ProbeReport:
+    if isinstance(e, Absent):
+        return ProbeReport(name=name, status=ProbeStatus.absent, duration_s=duration_s, error=str(e))
+    if isinstance(e, (Denied, PermissionError)):
+        return ProbeReport(name=name, status=ProbeStatus.denied, duration_s=duration_s, error=str(e))
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" at {tb[-1].filename.rsplit('/', 1)[-1]}:{tb[-1].lineno}" if tb else ""
+    return ProbeReport(
+        name=name, status=ProbeStatus.error, duration_s=duration_s,
+        error=f"{type(e).__name__}: {e}{where}",
+    )
+
+
+def run_inline(name: str, fn, clock: Clock = SYSTEM_CLOCK) -> tuple[Any, ProbeReport]:
+    """Run a probe that touches only /proc, /sys or NVML-in-its-own-thread: no worker thread."""
+    t0 = clock.monotonic()
+    try:
+        value = fn()
+    except Exception as e:  # noqa: BLE001
+        return None, report_for_exception(name, e, clock.monotonic() - t0)
+    return value, ProbeReport(name=name, status=ProbeStatus.ok, duration_s=clock.monotonic() - t0)

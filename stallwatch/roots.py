@@ -1,0 +1,83 @@
+"""One object that says where the kernel's files are.
+
+Every read of /proc, /sys and the kernel log goes through a Roots, so parsers and probes run
+unchanged on captured fixture trees (node_exporter's collector/fixtures idea) and tests never
+depend on the host they run on.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class Absent(Exception):
+    """The file does not exist (pid gone, feature not built into this kernel)."""
+
+
+class Denied(Exception):
+    """The file exists but this process may not read it (ptrace rules, no CAP_SYS_ADMIN)."""
+
+
+@dataclass(frozen=True)
+class Roots:
+    proc: Path = Path("/proc")
+    sys: Path = Path("/sys")
+    kmsg: Path = Path("/dev/kmsg")
+
+    @classmethod
+    def under(cls, base: str | os.PathLike[str]) -> "Roots":
+        """A fixture tree laid out as base/proc, base/sys, base/dev/kmsg."""
+        b = Path(base)
+        return cls(proc=b / "proc", sys=b / "sys", kmsg=b / "dev" / "kmsg")
+
+    def pid_dir(self, pid: int, tid: int | None = None) -> Path:
+        d = self.proc / str(pid)
+        return d if tid is None else d / "task" / str(tid)
+
+    def read_bytes(self, path: Path, limit: int = 1 << 20) -> bytes:
+        """Read at most `limit` bytes; map errno to Absent/Denied so callers can report state."""
+        try:
+            with open(path, "rb", buffering=0) as f:
+                return f.read(limit)
+        except FileNotFoundError as e:
+            raise Absent(str(path)) from e
+        except PermissionError as e:
+            raise Denied(str(path)) from e
+        except OSError as e:
+            # ESRCH: the task died between open and read; EACCES/EPERM through ptrace checks.
+            if e.errno in (errno.ESRCH, errno.ENOENT):
+                raise Absent(str(path)) from e
+            if e.errno in (errno.EACCES, errno.EPERM):
+                raise Denied(str(path)) from e
+            raise
+
+    def read_text(self, path: Path, limit: int = 1 << 20) -> str:
+        return self.read_bytes(path, limit).decode("utf-8", "replace")
+
+    def readlink(self, path: Path) -> str:
+        try:
+            return os.readlink(path)
+        except FileNotFoundError as e:
+            raise Absent(str(path)) from e
+        except PermissionError as e:
+            raise Denied(str(path)) from e
+        except OSError as e:
+            if e.errno in (errno.ESRCH, errno.ENOENT):
+                raise Absent(str(path)) from e
+            if e.errno in (errno.EACCES, errno.EPERM):
+                raise Denied(str(path)) from e
+            raise
+
+    def listdir(self, path: Path) -> list[str]:
+        try:
+            return os.listdir(path)
+        except FileNotFoundError as e:
+            raise Absent(str(path)) from e
+        except PermissionError as e:
+            raise Denied(str(path)) from e
+
+
+DEFAULT_ROOTS = Roots()
