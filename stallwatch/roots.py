@@ -41,7 +41,16 @@ class Roots:
         """Read at most `limit` bytes; map errno to Absent/Denied so callers can report state."""
         try:
             with open(path, "rb", buffering=0) as f:
-                return f.read(limit)
+                # One read(2) of a multi-record seq file (/proc/net/tcp, mountinfo, diskstats)
+                # returns about one page, not the whole file: read until EOF or the limit.
+                chunks, size = [], 0
+                while size < limit:
+                    chunk = f.read(limit - size)
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    size += len(chunk)
+                return b"".join(chunks)
         except FileNotFoundError as e:
             raise Absent(str(path)) from e
         except PermissionError as e:

@@ -1,0 +1,33 @@
+"""The generic rules engine: CEL conditions, rule files, alert state, timeline tests.
+
+It knows nothing about probes: it evaluates rules over whatever nested dict of variables the
+caller builds (stallwatch.features does that). The CLI needs only the two functions below.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from .alerting import (Alert, AlertState, EvalError, Evaluation, Evaluator, EvidenceItem,
+                       Transition, Verdict, evaluate_once)
+from .expr import Expr, ExprError, ExprEvalError, Vars, compile_expr
+from .rulefile import KINDS, SEVERITIES, Rule, RuleLoadError, RuleSet, load_rules
+from .ruletest import TestFailure, TestReport, run_test_file
+from .tomlpos import Located
+
+__all__ = [
+    "Alert", "AlertState", "EvalError", "Evaluation", "Evaluator", "EvidenceItem", "Expr",
+    "ExprError", "ExprEvalError", "KINDS", "Located", "Rule", "RuleLoadError", "RuleSet",
+    "SEVERITIES", "TestFailure", "TestReport", "Transition", "Vars", "Verdict", "check_paths",
+    "compile_expr", "evaluate_once", "load_rules", "run_test_file",
+]
+
+
+def check_paths(paths: Iterable[str | Path], schema: Mapping[str, Any] | None = None) -> list[str]:
+    """`stallwatch rules check`: every problem as `file:line:column: problem`; [] when valid."""
+    try:
+        load_rules(paths, schema)
+    except RuleLoadError as exc:
+        return [str(e) for e in exc.errors]
+    return []

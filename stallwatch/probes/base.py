@@ -58,14 +58,46 @@ class DeadlineRunner:
             return [k for k, f in self._inflight.items() if not f.done()]
 
     def call(self, name: str, fn, deadline_s: float) -> tuple[Any, ProbeReport]:
+        return self.call_many([(name, fn, deadline_s)])[0]
+
+    def call_many(self, calls: list[tuple[str, Any, float]]) -> list[tuple[Any, ProbeReport]]:
+        """Start every call at once, then collect each by its own deadline.
+
+        Concurrent, so one frozen filesystem that stalls three probes costs one deadline, not three.
+        """
         t0 = self._clock.monotonic()
+        started: list[tuple[str, Future | None, float]] = []
+        for name, fn, deadline_s in calls:
+            started.append((name, self._start(name, fn), deadline_s))
+        out: list[tuple[Any, ProbeReport]] = []
+        for name, fut, deadline_s in started:
+            if fut is None:
+                out.append((None, ProbeReport(
+                    name=name, status=ProbeStatus.busy, duration_s=0.0,
+                    error=f"previous call of {name} still has not returned",
+                )))
+                continue
+            remaining = max(0.0, t0 + deadline_s - self._clock.monotonic())
+            try:
+                value = fut.result(timeout=remaining)
+            except TimeoutError:
+                out.append((None, ProbeReport(
+                    name=name, status=ProbeStatus.timeout, duration_s=self._clock.monotonic() - t0,
+                    error=f"{name} did not return within {deadline_s:g} s",
+                )))
+                continue
+            except BaseException as e:  # noqa: BLE001
+                out.append((None, report_for_exception(name, e, self._clock.monotonic() - t0)))
+                continue
+            out.append((value, ProbeReport(name=name, status=ProbeStatus.ok,
+                                           duration_s=self._clock.monotonic() - t0)))
+        return out
+
+    def _start(self, name: str, fn) -> Future | None:
         with self._lock:
             prev = self._inflight.get(name)
             if prev is not None and not prev.done():
-                return None, ProbeReport(
-                    name=name, status=ProbeStatus.busy, duration_s=0.0,
-                    error=f"previous call of {name} still has not returned",
-                )
+                return None
             fut: Future = Future()
             self._inflight[name] = fut
 
@@ -76,16 +108,7 @@ class DeadlineRunner:
                 fut.set_exception(e)
 
         threading.Thread(target=work, name=f"probe-{name}", daemon=True).start()
-        try:
-            value = fut.result(timeout=deadline_s)
-        except TimeoutError:
-            return None, ProbeReport(
-                name=name, status=ProbeStatus.timeout, duration_s=self._clock.monotonic() - t0,
-                error=f"{name} did not return within {deadline_s:g} s",
-            )
-        except BaseException as e:  # noqa: BLE001
-            return None, report_for_exception(name, e, self._clock.monotonic() - t0)
-        return value, ProbeReport(name=name, status=ProbeStatus.ok, duration_s=self._clock.monotonic() - t0)
+        return fut
 
 
 def report_for_exception(name: str, e: BaseException, duration_s: float) -> ProbeReport:

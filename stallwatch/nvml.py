@@ -1,0 +1,239 @@
+"""The one place that talks to NVML (nvitop's `libnvml` idea).
+
+Every NVML call in stallwatch goes through `Nvml.call`/`Nvml.query`, so expected failures become
+values: a GPU without ECC answers NotSupported, a container without the right capabilities answers
+NoPermission, a GPU that fell off the bus answers GpuIsLost. None of these may crash or stall a
+watchdog tick. Library-level trouble (no libnvidia-ml.so, driver not loaded, /dev/nvidia* not
+accessible) is a `status`, never an exception.
+
+The pynvml module is injected (`Nvml(lib=...)`) so tests drive every path with a double of the
+library that raises pynvml's own exception classes.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Iterable, NamedTuple
+
+from stallwatch.clock import Clock, SYSTEM_CLOCK
+
+
+class _NA:
+    """Value of a query that could not be answered; falsy, and prints like nvidia-smi does."""
+
+    _instance: "_NA | None" = None
+
+    def __new__(cls) -> "_NA":
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return "N/A"
+
+    __str__ = __repr__
+
+
+NA: Any = _NA()
+
+# Library states (Nvml.status). Callers branch on these; the message is in Nvml.error.
+OK, NO_LIBRARY, NO_DRIVER, NO_PERMISSION, ERROR = "ok", "no_library", "no_driver", "no_permission", "error"
+
+# Reasons a single call gave no value. Keyed by pynvml's constant *name*, resolved against the
+# injected module, because the numbers belong to the library, not to us.
+_REASON_BY_CONST = {
+    "NVML_ERROR_NOT_SUPPORTED": "not_supported",
+    "NVML_ERROR_NO_PERMISSION": "no_permission",
+    "NVML_ERROR_NOT_FOUND": "not_found",
+    "NVML_ERROR_GPU_IS_LOST": "gpu_lost",
+    "NVML_ERROR_UNKNOWN": "unknown",
+    "NVML_ERROR_RESET_REQUIRED": "reset_required",
+    "NVML_ERROR_FUNCTION_NOT_FOUND": "function_not_found",
+    "NVML_ERROR_TIMEOUT": "timeout",
+    "NVML_ERROR_NO_DATA": "no_data",
+    "NVML_ERROR_UNINITIALIZED": "uninitialized",
+    "NVML_ERROR_DRIVER_NOT_LOADED": "no_driver",
+    "NVML_ERROR_LIBRARY_NOT_FOUND": "no_library",
+    "NVML_ERROR_INSUFFICIENT_POWER": "insufficient_power",
+    "NVML_ERROR_CORRUPTED_INFOROM": "corrupted_inforom",
+    "NVML_ERROR_LIB_RM_VERSION_MISMATCH": "driver_library_mismatch",
+    "NVML_ERROR_ARGUMENT_VERSION_MISMATCH": "function_not_found",
+    # pynvml's list wrappers (e.g. nvmlDeviceGetProcessUtilization) raise NVMLError(NVML_SUCCESS)
+    # when the driver has nothing to return.
+    "NVML_SUCCESS": "empty",
+}
+
+# The device is gone, whatever was asked: after Xid 79 ("fallen off the bus") the driver answers
+# GpuIsLost, and in some states Unknown or ResetRequired.
+LOST_REASONS = frozenset({"gpu_lost", "unknown", "reset_required"})
+
+# The function exists in neither this pynvml nor this driver: try the older spelling.
+_MISSING = frozenset({"function_not_found", "missing_in_pynvml"})
+
+
+class Outcome(NamedTuple):
+    value: Any  # NA when the call gave no value
+    reason: str | None  # None on success, else one of the reason strings above
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None
+
+
+class Nvml:
+    """A lazily initialised NVML session; thread-safe, and never raises to its callers.
+
+    Init may hang in a wedged driver. The caller (a DeadlineRunner worker) can abandon it, so a
+    second caller must not wait forever on the lock the stuck one holds: it waits `init_wait_s`,
+    then reports an error. A failed init is retried after `retry_after_s` (a driver may load
+    later), not on every tick.
+    """
+
+    def __init__(self, lib: Any = None, *, clock: Clock = SYSTEM_CLOCK,
+                 init_wait_s: float = 5.0, retry_after_s: float = 60.0) -> None:
+        self._lib = lib
+        self._clock = clock
+        self._init_wait_s = init_wait_s
+        self._retry_after_s = retry_after_s
+        self._lock = threading.Lock()
+        self._tried_at: float | None = None
+        self._reason_by_code: dict[int, str] = {}
+        self.status: str | None = None  # None until the first init attempt
+        self.error: str | None = None
+
+    # -- session ------------------------------------------------------------------------------
+
+    @property
+    def lib(self) -> Any:
+        return self._lib
+
+    def init(self) -> str:
+        """Initialise once; returns the status. Safe from any thread, bounded wait."""
+        if self.status == OK:
+            return OK
+        if not self._lock.acquire(timeout=self._init_wait_s):
+            # Leave `status` alone: the stuck thread owns it and will set it if it ever returns.
+            if self.status != OK:
+                self.error = "nvmlInit is still running in another thread (wedged driver?)"
+            return ERROR
+        try:
+            if self.status == OK:
+                return OK
+            now = self._clock.monotonic()
+            if self._tried_at is not None and now - self._tried_at < self._retry_after_s:
+                return self.status or ERROR
+            self._tried_at = now
+            return self._init_locked()
+        finally:
+            self._lock.release()
+
+    def _init_locked(self) -> str:
+        if self._lib is None:
+            try:
+                import pynvml  # noqa: PLC0415 - importing is itself part of "is NVML here?"
+            except ImportError as e:
+                return self._set(NO_LIBRARY, f"pynvml (nvidia-ml-py) is not installed: {e}")
+            self._lib = pynvml
+        lib = self._lib
+        self._reason_by_code = {
+            getattr(lib, name): reason for name, reason in _REASON_BY_CONST.items() if hasattr(lib, name)
+        }
+        try:
+            lib.nvmlInit()
+        except Exception as e:  # noqa: BLE001 - every failure of init is a state
+            reason = self.reason(e)
+            status = {"no_library": NO_LIBRARY, "no_driver": NO_DRIVER,
+                      "no_permission": NO_PERMISSION}.get(reason, ERROR)
+            return self._set(status, f"nvmlInit: {describe(e)}")
+        return self._set(OK, None)
+
+    def _set(self, status: str, error: str | None) -> str:
+        self.status, self.error = status, error
+        return status
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self.status == OK:
+                self.call("nvmlShutdown")
+            self.status, self._tried_at = None, None
+
+    # -- calls --------------------------------------------------------------------------------
+
+    def reason(self, e: BaseException) -> str:
+        """A short, stable name for why a call failed."""
+        lib = self._lib
+        nvml_error = getattr(lib, "NVMLError", None) if lib is not None else None
+        if nvml_error is not None and isinstance(e, nvml_error):
+            code = getattr(e, "value", None)
+            return self._reason_by_code.get(code, f"nvml_error_{code}")
+        # pynvml's unversioned wrappers turn FunctionNotFound into this (driver older than pynvml).
+        if type(e).__name__ == "NVMLLibraryMismatchError":
+            return "function_not_found"
+        return "error"
+
+    def call(self, fn: str | Callable[..., Any], *args: Any) -> Outcome:
+        """Call `fn` (a pynvml function or its name); failures come back as a reason."""
+        status = self.init()
+        if status != OK:
+            return Outcome(NA, status)
+        if isinstance(fn, str):
+            f = getattr(self._lib, fn, None)
+            if f is None:
+                return Outcome(NA, "missing_in_pynvml")
+        else:
+            f = fn
+        try:
+            value = f(*args)
+        except Exception as e:  # noqa: BLE001 - the choke point lets nothing out
+            return Outcome(NA, self.reason(e))
+        return Outcome(text(value), None)
+
+    def call_first(self, names: Iterable[str], *args: Any) -> Outcome:
+        """Newest API first; fall back only when a spelling is missing from pynvml or the driver."""
+        out = Outcome(NA, "missing_in_pynvml")
+        for name in names:
+            out = self.call(name, *args)
+            if out.reason not in _MISSING:
+                return out
+        return out
+
+    def query(self, fn: str | Callable[..., Any], *args: Any, default: Any = NA) -> Any:
+        out = self.call(fn, *args)
+        return default if out.reason is not None else out.value
+
+    def const(self, name: str, default: Any = None) -> Any:
+        return getattr(self._lib, name, default) if self._lib is not None else default
+
+
+def text(v: Any) -> Any:
+    """Older pynvml returns bytes for strings; newer decodes. Normalise to str."""
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+
+
+def describe(e: BaseException) -> str:
+    try:
+        msg = str(e)
+    except Exception:  # noqa: BLE001 - pynvml's __str__ itself calls into the library
+        msg = repr(e)
+    return f"{type(e).__name__}: {msg}"
+
+
+_default: Nvml | None = None
+_default_lock = threading.Lock()
+
+
+def default_nvml() -> Nvml:
+    """The process-wide session over the real pynvml (NVML init is per process anyway)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Nvml()
+        return _default
+
+
+def nvml_query(fn: str | Callable[..., Any], *args: Any, default: Any = NA) -> Any:
+    """nvitop-style one-liner over the process-wide session."""
+    return default_nvml().query(fn, *args, default=default)

@@ -1,0 +1,502 @@
+"""GPU probe: per-device health and who holds GPU memory, from NVML, plus Xid/ECC events.
+
+What a stall diagnosis needs from a GPU: is it computing (utilisation), which pids hold memory
+(to join with the process tree: a SIGSTOPped or deadlocked job keeps its memory at 0 % util),
+and did the hardware fail (Xid events, ECC counters, a GPU that fell off the bus).
+
+Everything goes through the `Nvml` choke point, so a missing library, missing driver, missing
+permission or an unsupported counter shows up as a status or a None field plus a reason in
+`errors` — never an exception. Slow calls (per-process utilisation ~2 ms, PCIe throughput
+~20 ms each, per GPU) are sampled at most every `slow_every_s` and carried between samples with
+their own timestamp.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import Field
+
+from stallwatch.clock import Clock, SYSTEM_CLOCK
+from stallwatch.model import Frozen
+from stallwatch.nvml import LOST_REASONS, OK, Nvml, default_nvml, describe
+
+# ---------------------------------------------------------------------------------------------
+# Observations (written to JSONL traces and replayed: plain JSON types only)
+
+
+class GpuProcessObs(Frozen):
+    pid: int  # as NVML sees it: the host pid namespace, which a container may not share
+    gpu_index: int
+    kind: str  # "compute" | "graphics" | "compute+graphics"
+    used_bytes: int | None = None  # None: the driver did not say (WDDM, some MIG/vGPU setups)
+    # From the slow path; None when not sampled yet or the pid had no sample in the window
+    # (NVML only keeps samples for processes that ran something).
+    sm_util_pct: int | None = None
+    mem_util_pct: int | None = None
+
+
+class XidEventObs(Frozen):
+    seq: int  # 1, 2, ... per probe: tells a new event from one already seen in the ring
+    gpu_index: int | None
+    gpu_uuid: str | None = None
+    kind: str  # "xid" | "ecc_double_bit" | "ecc_single_bit" | "event_0x.."
+    xid: int | None = None  # the Xid code (kind "xid" only)
+    wall_time: float  # when we drained it (NVML gives no timestamp); at most a tick late
+
+
+class GpuDeviceObs(Frozen):
+    index: int  # NVML index (PCI order): not CUDA's index; join on uuid or pci_bus_id
+    uuid: str | None = None
+    name: str | None = None
+    pci_bus_id: str | None = None
+    lost: bool = False  # fell off the bus / needs a reset: every call on it fails
+    util_gpu_pct: int | None = None
+    util_mem_pct: int | None = None  # memory-controller busy %, not memory used
+    mem_total_bytes: int | None = None
+    mem_used_bytes: int | None = None
+    mem_free_bytes: int | None = None
+    mem_reserved_bytes: int | None = None  # driver-reserved (memory info v2 only)
+    processes: list[GpuProcessObs] | None = None  # None: could not be listed (see errors)
+    persistence_mode: bool | None = None
+    clock_event_reasons: list[str] | None = None  # e.g. ["gpu_idle"], ["sw_thermal", ...]
+    ecc_volatile_uncorrected: int | None = None  # since the last driver load
+    ecc_volatile_corrected: int | None = None
+    ecc_aggregate_uncorrected: int | None = None  # lifetime of the board
+    ecc_aggregate_corrected: int | None = None
+    temperature_c: int | None = None
+    power_w: float | None = None
+    pstate: int | None = None  # 0 (max performance) .. 15; None when unknown
+    pcie_tx_bytes_per_s: int | None = None  # slow path
+    pcie_rx_bytes_per_s: int | None = None  # slow path
+    slow_sampled_at: float | None = None  # wall time of the slow-path values in this obs
+    event_types: list[str] = Field(default_factory=list)  # events registered for this device
+    errors: dict[str, str] = Field(default_factory=dict)  # signal -> why it has no value
+
+
+class GpuObs(Frozen):
+    status: str  # "ok" | "no_library" | "no_driver" | "no_permission" | "error"
+    driver_version: str | None = None
+    nvml_version: str | None = None
+    cuda_driver_version: str | None = None  # e.g. "13.0"
+    device_count: int | None = None
+    devices: list[GpuDeviceObs] = Field(default_factory=list)
+    xid_events: list[XidEventObs] = Field(default_factory=list)  # the last N, oldest first
+    xid_events_total: int = 0  # drained since the probe started; rules diff this
+    xid_watch: str = "off"  # "on", or "off: <reason>"
+    error: str | None = None
+    collected_at: float = 0.0  # wall time
+
+
+def gpu_pids(obs: GpuObs) -> dict[int, list[tuple[int, int | None]]]:
+    """pid -> [(gpu_index, bytes or None)], to join GPU memory with the process tree."""
+    out: dict[int, list[tuple[int, int | None]]] = {}
+    for dev in obs.devices:
+        for p in dev.processes or ():
+            out.setdefault(p.pid, []).append((dev.index, p.used_bytes))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding tables, keyed by pynvml's constant names so the values come from the library itself.
+
+# Newer pynvml spells them ClocksEventReason*, older ClocksThrottleReason*; BoardLimit and
+# Reliability exist only under the old spelling.
+_CLOCK_REASONS = (
+    ("GpuIdle", "gpu_idle"),
+    ("ApplicationsClocksSetting", "applications_clocks_setting"),
+    ("SwPowerCap", "sw_power_cap"),
+    ("HwSlowdown", "hw_slowdown"),
+    ("SyncBoost", "sync_boost"),
+    ("SwThermalSlowdown", "sw_thermal"),
+    ("HwThermalSlowdown", "hw_thermal"),
+    ("HwPowerBrakeSlowdown", "hw_power_brake"),
+    ("DisplayClockSetting", "display_clock_setting"),
+    ("BoardLimit", "board_limit"),
+    ("Reliability", "reliability"),
+)
+
+_EVENTS = (
+    ("nvmlEventTypeXidCriticalError", "xid"),
+    ("nvmlEventTypeDoubleBitEccError", "ecc_double_bit"),
+    ("nvmlEventTypeSingleBitEccError", "ecc_single_bit"),
+)
+
+_COMPUTE_PROCS = ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2",
+                  "nvmlDeviceGetComputeRunningProcesses")
+_GRAPHICS_PROCS = ("nvmlDeviceGetGraphicsRunningProcesses_v3", "nvmlDeviceGetGraphicsRunningProcesses_v2",
+                   "nvmlDeviceGetGraphicsRunningProcesses")
+_CLOCK_FNS = ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons")
+_TEMP_FNS = ("nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature")
+_WAIT_FNS = ("nvmlEventSetWait_v2", "nvmlEventSetWait")
+
+# A permanent answer: stop asking this device every tick.
+_PERMANENT = frozenset({"not_supported", "function_not_found", "missing_in_pynvml"})
+# Failures that mean the GPU itself is gone, when they come from a call every GPU answers.
+_CORE = frozenset({"handle", "utilization", "memory"})
+_MAX_DRAIN = 256  # events per tick; an event storm must not stall the tick
+
+
+def decode_clock_reasons(lib: Any, mask: int) -> list[str]:
+    names, known = [], 0
+    for suffix, name in _CLOCK_REASONS:
+        bit = getattr(lib, "nvmlClocksEventReason" + suffix, None) or getattr(
+            lib, "nvmlClocksThrottleReason" + suffix, None)
+        if bit and mask & bit:
+            names.append(name)
+        known |= bit or 0
+    if mask & ~known:
+        names.append(f"unknown_{mask & ~known:#x}")
+    return names
+
+
+def _handle_key(h: Any) -> Any:
+    # NVML device handles are stable pointers; event data carries the same pointer value.
+    try:
+        return ctypes.cast(h, ctypes.c_void_p).value
+    except Exception:  # noqa: BLE001 - not a ctypes pointer (a test double's handle)
+        return id(h)
+
+
+class _Lost(Exception):
+    pass
+
+
+@dataclass
+class _Device:
+    handle: Any
+    uuid: str | None = None
+    name: str | None = None
+    pci_bus_id: str | None = None
+    event_types: list[str] = field(default_factory=list)
+    events_error: str | None = None  # why no event could be registered
+    unsupported: dict[str, str] = field(default_factory=dict)  # signal -> permanent reason
+    proc_util_since_us: int = 0
+    slow: dict[str, Any] = field(default_factory=dict)  # last slow-path sample
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class GpuProbe:
+    name = "gpu"
+
+    def __init__(self, nvml: Nvml | Any = None, clock: Clock = SYSTEM_CLOCK,
+                 slow_every_s: float = 10.0, keep_events: int = 64) -> None:
+        if nvml is None:
+            nvml = default_nvml()
+        elif not isinstance(nvml, Nvml):
+            nvml = Nvml(lib=nvml, clock=clock)  # a pynvml module (or a double of it)
+        self.nvml = nvml
+        self._clock = clock
+        self._slow_every_s = slow_every_s
+        self._lock = threading.Lock()
+        self._system: dict[str, str | None] | None = None
+        self._devices: dict[int, _Device] = {}
+        self._by_handle: dict[Any, int] = {}
+        self._slow_at: float | None = None
+        self._event_set: Any = None
+        self._event_set_error: str | None = None
+        self._events: deque[XidEventObs] = deque(maxlen=keep_events)
+        self._seq = 0
+        self._drain_error: str | None = None
+
+    def collect(self) -> GpuObs:
+        now = self._clock.time()
+        # A previous collect stuck in the driver holds the lock; answer rather than queue up.
+        if not self._lock.acquire(blocking=False):
+            return GpuObs(status="error", error="previous GPU collect has not returned",
+                          collected_at=now)
+        try:
+            return self._collect(now)
+        except Exception as e:  # noqa: BLE001 - a bug here must not cost the whole snapshot
+            return GpuObs(status="error", error=f"gpu probe: {describe(e)}", collected_at=now)
+        finally:
+            self._lock.release()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._event_set is not None:
+                self.nvml.call("nvmlEventSetFree", self._event_set)
+            self._event_set, self._devices, self._by_handle = None, {}, {}
+
+    # -- one tick -------------------------------------------------------------------------------
+
+    def _collect(self, now: float) -> GpuObs:
+        nv = self.nvml
+        status = nv.init()
+        if status != OK:
+            return GpuObs(status=status, error=nv.error, collected_at=now,
+                          xid_events=list(self._events), xid_events_total=self._seq)
+        if self._system is None:
+            self._system = self._system_info()
+        count = nv.call("nvmlDeviceGetCount")
+        if not count.ok:
+            return GpuObs(status="error", error=f"nvmlDeviceGetCount: {count.reason}",
+                          collected_at=now, **self._system)
+        if self._event_set is None and self._event_set_error is None:
+            es = nv.call("nvmlEventSetCreate")
+            self._event_set, self._event_set_error = es.value if es.ok else None, es.reason
+        mono = self._clock.monotonic()
+        slow = self._slow_every_s is not None and math.isfinite(self._slow_every_s) and (
+            self._slow_at is None or mono - self._slow_at >= self._slow_every_s)
+        devices = [self._device(i, slow, now) for i in range(count.value)]
+        if slow:
+            self._slow_at = mono
+        self._drain(now)
+        return GpuObs(
+            status=OK, device_count=count.value, devices=devices, xid_events=list(self._events),
+            xid_events_total=self._seq, xid_watch=self._xid_watch(), collected_at=now,
+            **self._system,
+        )
+
+    def _system_info(self) -> dict[str, str | None]:
+        nv = self.nvml
+        cuda = nv.call_first(("nvmlSystemGetCudaDriverVersion_v2", "nvmlSystemGetCudaDriverVersion"))
+        return {
+            "driver_version": nv.query("nvmlSystemGetDriverVersion", default=None),
+            "nvml_version": nv.query("nvmlSystemGetNVMLVersion", default=None),
+            # NVML encodes 13.0 as 13000, 12.8 as 12080.
+            "cuda_driver_version": f"{cuda.value // 1000}.{cuda.value % 1000 // 10}" if cuda.ok else None,
+        }
+
+    def _xid_watch(self) -> str:
+        if any("xid" in d.event_types for d in self._devices.values()):
+            return "on" if self._drain_error is None else f"on (last wait: {self._drain_error})"
+        if self._event_set_error:
+            return f"off: nvmlEventSetCreate {self._event_set_error}"
+        reasons = sorted({d.events_error for d in self._devices.values() if d.events_error})
+        return "off: " + (", ".join(reasons) or "no device supports Xid events")
+
+    # -- one device -----------------------------------------------------------------------------
+
+    def _device(self, i: int, slow: bool, now: float) -> GpuDeviceObs:
+        errors: dict[str, str] = {}
+        dev = self._devices.get(i)
+        if dev is None:
+            h = self.nvml.call("nvmlDeviceGetHandleByIndex", i)
+            if not h.ok:
+                return GpuDeviceObs(index=i, lost=h.reason in LOST_REASONS, errors={"handle": h.reason})
+            dev = self._devices[i] = _Device(handle=h.value)
+            self._register_events(i, dev)
+        fields: dict[str, Any] = {}
+        lost = False
+        try:
+            self._identity(dev, errors)
+            self._fast(dev, i, errors, fields)
+            if slow:
+                self._slow(dev, errors, now)
+        except _Lost:
+            lost = True
+        procs = fields.pop("processes", None)
+        if procs is not None:
+            util = dev.slow.get("proc_util", {})
+            procs = [p.model_copy(update=dict(zip(("sm_util_pct", "mem_util_pct"), util[p.pid])))
+                     if p.pid in util else p for p in procs]
+        return GpuDeviceObs(
+            index=i, uuid=dev.uuid, name=dev.name, pci_bus_id=dev.pci_bus_id, lost=lost,
+            processes=procs, event_types=list(dev.event_types), errors=errors,
+            pcie_tx_bytes_per_s=dev.slow.get("pcie_tx"), pcie_rx_bytes_per_s=dev.slow.get("pcie_rx"),
+            slow_sampled_at=dev.slow.get("at"), **fields,
+        )
+
+    def _read(self, dev: _Device, errors: dict[str, str], key: str, fns: str | tuple[str, ...],
+              *args: Any) -> Any:
+        """One NVML read for one signal; None plus errors[key] when it has no value."""
+        if key in dev.unsupported:
+            errors[key] = dev.unsupported[key]
+            return None
+        names = (fns,) if isinstance(fns, str) else fns
+        out = self.nvml.call_first(names, dev.handle, *args)
+        if out.ok:
+            return out.value
+        errors[key] = out.reason
+        if out.reason in _PERMANENT:
+            dev.unsupported[key] = out.reason
+        # Stop asking a dead GPU: each further call could block as long as this one did.
+        if out.reason == "gpu_lost" or (key in _CORE and out.reason in LOST_REASONS):
+            raise _Lost
+        return None
+
+    def _identity(self, dev: _Device, errors: dict[str, str]) -> None:
+        # Identity never changes for a handle: read until it succeeds, then never again.
+        if dev.uuid is None:
+            dev.uuid = self._read(dev, errors, "uuid", "nvmlDeviceGetUUID")
+        if dev.name is None:
+            dev.name = self._read(dev, errors, "name", "nvmlDeviceGetName")
+        if dev.pci_bus_id is None:
+            pci = self._read(dev, errors, "pci", "nvmlDeviceGetPciInfo")
+            if pci is not None:
+                bus = getattr(pci, "busId", None)
+                dev.pci_bus_id = bus.decode() if isinstance(bus, bytes) else bus
+
+    def _fast(self, dev: _Device, i: int, errors: dict[str, str], f: dict[str, Any]) -> None:
+        lib = self.nvml.lib
+        util = self._read(dev, errors, "utilization", "nvmlDeviceGetUtilizationRates")
+        if util is not None:
+            f["util_gpu_pct"], f["util_mem_pct"] = int(util.gpu), int(util.memory)
+        self._memory(dev, errors, f)
+        f["processes"] = self._processes(dev, i, errors)
+        pm = self._read(dev, errors, "persistence_mode", "nvmlDeviceGetPersistenceMode")
+        if pm is not None:
+            f["persistence_mode"] = pm == getattr(lib, "NVML_FEATURE_ENABLED", 1)
+        mask = self._read(dev, errors, "clock_event_reasons", _CLOCK_FNS)
+        if mask is not None:
+            f["clock_event_reasons"] = decode_clock_reasons(lib, int(mask))
+        for counter, cname in (("volatile", "NVML_VOLATILE_ECC"), ("aggregate", "NVML_AGGREGATE_ECC")):
+            for etype, ename in (("uncorrected", "NVML_MEMORY_ERROR_TYPE_UNCORRECTED"),
+                                 ("corrected", "NVML_MEMORY_ERROR_TYPE_CORRECTED")):
+                # One key per counter type: when one ECC read is unsupported, its sibling is too.
+                v = self._read(dev, errors, f"ecc_{counter}", "nvmlDeviceGetTotalEccErrors",
+                               getattr(lib, ename), getattr(lib, cname))
+                if v is not None:
+                    f[f"ecc_{counter}_{etype}"] = int(v)
+        temp = self._read(dev, errors, "temperature", _TEMP_FNS, getattr(lib, "NVML_TEMPERATURE_GPU", 0))
+        if temp is not None:
+            f["temperature_c"] = int(temp)
+        mw = self._read(dev, errors, "power", "nvmlDeviceGetPowerUsage")
+        if mw is not None:
+            f["power_w"] = round(mw / 1000.0, 3)
+        ps = self._read(dev, errors, "pstate", "nvmlDeviceGetPerformanceState")
+        if ps is not None and 0 <= ps <= 15:
+            f["pstate"] = int(ps)
+
+    def _memory(self, dev: _Device, errors: dict[str, str], f: dict[str, Any]) -> None:
+        # v2 separates driver-reserved memory from `used`; fall back to v1 on older drivers.
+        v2 = self.nvml.const("nvmlMemory_v2")
+        mem = None
+        if v2 is not None and "memory_v2" not in dev.unsupported:
+            out = self.nvml.call("nvmlDeviceGetMemoryInfo", dev.handle, v2)
+            if out.ok:
+                mem = out.value
+            elif out.reason in LOST_REASONS:
+                errors["memory"] = out.reason
+                raise _Lost
+            else:
+                dev.unsupported["memory_v2"] = out.reason
+        if mem is None:
+            mem = self._read(dev, errors, "memory", "nvmlDeviceGetMemoryInfo")
+        if mem is not None:
+            f["mem_total_bytes"], f["mem_used_bytes"], f["mem_free_bytes"] = (
+                int(mem.total), int(mem.used), int(mem.free))
+            if hasattr(mem, "reserved"):
+                f["mem_reserved_bytes"] = int(mem.reserved)
+
+    def _processes(self, dev: _Device, i: int, errors: dict[str, str]) -> list[GpuProcessObs] | None:
+        # (pid, gpu instance, compute instance) -> [kinds, bytes]: a process with both a compute
+        # and a graphics context is listed twice with the same figure; under MIG a pid may hold
+        # memory in several instances, which add up.
+        seen: dict[tuple[int, Any, Any], list[Any]] = {}
+        known = True
+        for kind, fns in (("compute", _COMPUTE_PROCS), ("graphics", _GRAPHICS_PROCS)):
+            key = f"processes_{kind}"
+            lst = self._read(dev, errors, key, fns)
+            if lst is None:
+                if errors.get(key) != "not_supported":
+                    known = False
+                continue
+            for p in lst:
+                used = getattr(p, "usedGpuMemory", None)
+                if used is not None and used >= 1 << 63:  # NVML_VALUE_NOT_AVAILABLE in old pynvml
+                    used = None
+                k = (int(p.pid), getattr(p, "gpuInstanceId", None), getattr(p, "computeInstanceId", None))
+                entry = seen.setdefault(k, [set(), None])
+                entry[0].add(kind)
+                if used is not None:
+                    entry[1] = used if entry[1] is None else max(entry[1], used)
+        if not known:
+            return None
+        by_pid: dict[int, list[Any]] = {}
+        for (pid, _gi, _ci), (kinds, used) in seen.items():
+            agg = by_pid.setdefault(pid, [set(), None])
+            agg[0] |= kinds
+            if used is not None:
+                agg[1] = used if agg[1] is None else agg[1] + used
+        return [GpuProcessObs(pid=pid, gpu_index=i, kind="+".join(sorted(kinds)), used_bytes=used)
+                for pid, (kinds, used) in sorted(by_pid.items())]
+
+    def _slow(self, dev: _Device, errors: dict[str, str], now: float) -> None:
+        lib = self.nvml.lib
+        sample: dict[str, Any] = {"at": now}
+        # Samples newer than the last one seen; the first call takes what the driver still holds.
+        out = self.nvml.call("nvmlDeviceGetProcessUtilization", dev.handle, dev.proc_util_since_us)
+        proc_util: dict[int, tuple[int, int]] = {}
+        if out.ok or out.reason in ("not_found", "empty"):  # no samples: nobody ran anything
+            latest: dict[int, Any] = {}
+            for s in out.value or ():
+                if s.pid not in latest or s.timeStamp >= latest[s.pid].timeStamp:
+                    latest[s.pid] = s
+            proc_util = {pid: (int(s.smUtil), int(s.memUtil)) for pid, s in latest.items()}
+            if latest:
+                dev.proc_util_since_us = max(s.timeStamp for s in latest.values())
+        else:
+            errors["process_utilization"] = out.reason
+            if out.reason == "gpu_lost":
+                raise _Lost
+        sample["proc_util"] = proc_util
+        for direction, cname in (("tx", "NVML_PCIE_UTIL_TX_BYTES"), ("rx", "NVML_PCIE_UTIL_RX_BYTES")):
+            kb = self._read(dev, errors, f"pcie_{direction}", "nvmlDeviceGetPcieThroughput",
+                            getattr(lib, cname))
+            if kb is not None:
+                sample[f"pcie_{direction}"] = int(kb) * 1024  # NVML reports KB/s
+        dev.slow = sample
+
+    # -- events ---------------------------------------------------------------------------------
+
+    def _register_events(self, i: int, dev: _Device) -> None:
+        nv = self.nvml
+        if self._event_set is None:
+            return
+        wanted = [(nv.const(c), name) for c, name in _EVENTS if nv.const(c) is not None]
+        supported = nv.call("nvmlDeviceGetSupportedEventTypes", dev.handle)
+        if supported.ok:
+            wanted = [(bit, name) for bit, name in wanted if supported.value & bit]
+        else:  # cannot ask: try the one that matters most
+            wanted = [(bit, name) for bit, name in wanted if name == "xid"]
+        if not wanted:
+            dev.events_error = "not_supported"
+            return
+        mask = 0
+        for bit, _ in wanted:
+            mask |= bit
+        out = nv.call("nvmlDeviceRegisterEvents", dev.handle, mask, self._event_set)
+        if not out.ok:
+            dev.events_error = out.reason
+            return
+        dev.event_types = [name for _, name in wanted]
+        self._by_handle[_handle_key(dev.handle)] = i
+
+    def _drain(self, now: float) -> None:
+        if self._event_set is None or not any(d.event_types for d in self._devices.values()):
+            return
+        self._drain_error = None
+        for _ in range(_MAX_DRAIN):
+            out = self.nvml.call_first(_WAIT_FNS, self._event_set, 0)  # 0 ms: never block the tick
+            if out.reason == "timeout":
+                return
+            if not out.ok:
+                self._drain_error = out.reason
+                return
+            self._record(out.value, now)
+
+    def _record(self, data: Any, now: float) -> None:
+        idx = self._by_handle.get(_handle_key(data.device))
+        if idx is None:
+            got = self.nvml.call("nvmlDeviceGetIndex", data.device)
+            idx = got.value if got.ok else None
+        etype, kind = int(data.eventType), None
+        for cname, name in _EVENTS:
+            if self.nvml.const(cname) == etype:
+                kind = name
+        dev = self._devices.get(idx) if idx is not None else None
+        self._seq += 1
+        self._events.append(XidEventObs(
+            seq=self._seq, gpu_index=idx, gpu_uuid=dev.uuid if dev else None,
+            kind=kind or f"event_{etype:#x}", xid=int(data.eventData) if kind == "xid" else None,
+            wall_time=now,
+        ))

@@ -1,0 +1,676 @@
+"""The processes probe: the job's process tree, every thread's kernel state, and its exits.
+
+Each collect() scans /proc/*/stat once (ppids and start times), resolves the targets, walks their
+descendants, and reads per process and per thread what a stall diagnosis needs: state letter,
+wait channel, syscall, kernel stack, context switches, CPU, I/O counters, open files and TCP
+sockets. The probe keeps a little state between ticks so that rules can stay stateless: how long
+each task has been in its state, in D, without a context switch, and without I/O.
+
+A process is identified by (pid, start_ticks), never by pid alone: a pid that comes back with
+another start time is a different process, and the job it stood for is reported as exited.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Literal, Mapping, Protocol, Sequence, TypeVar
+
+from stallwatch import procfs
+from stallwatch.clock import SYSTEM_CLOCK, Clock
+from stallwatch.model import Frozen
+from stallwatch.roots import DEFAULT_ROOTS, Absent, Denied, Roots
+
+T = TypeVar("T")
+Role = Literal["target", "descendant"]
+
+# Syscalls whose first argument is the fd they wait on, so a blocked thread can be tied to a file
+# or socket ("write on /data/x.ckpt", "recvfrom on the socket to :30000").
+FD_SYSCALLS = frozenset({
+    "read", "write", "pread64", "pwrite64", "readv", "writev", "preadv", "pwritev", "preadv2",
+    "pwritev2", "recvfrom", "sendto", "recvmsg", "sendmsg", "recvmmsg", "sendmmsg", "connect",
+    "accept", "accept4", "shutdown", "fsync", "fdatasync", "sync_file_range", "ioctl", "fcntl",
+    "flock", "ftruncate", "fallocate", "getdents64", "lseek", "close", "fstat", "epoll_wait",
+    "epoll_pwait", "epoll_pwait2", "sendfile", "splice", "copy_file_range",
+})
+
+
+class TargetSpec(Protocol):
+    """What the probe needs of stallwatch.targets.Target."""
+
+    pids: Sequence[int]
+    match: str | None
+
+
+# ---------------------------------------------------------------------------------------- models
+
+
+class IoObs(Frozen):
+    rchar: int
+    wchar: int
+    syscr: int
+    syscw: int
+    read_bytes: int
+    write_bytes: int
+    cancelled_write_bytes: int
+
+
+class OpenFileObs(Frozen):
+    fd: int
+    path: str  # readlink target: a path, "pipe:[N]", "anon_inode:[eventfd]", "/dev/nvidia0"...
+    write: bool | None = None  # opened O_WRONLY/O_RDWR; None when not checked (non-regular files)
+    pos_bytes: int | None = None  # file offset: a reader or writer advancing shows progress
+
+
+class SocketObs(Frozen):
+    fd: int
+    local_addr: str
+    local_port: int
+    remote_addr: str
+    remote_port: int
+    state: str  # ESTABLISHED, LISTEN, CLOSE_WAIT...
+    tx_queue_bytes: int
+    rx_queue_bytes: int
+
+
+class ThreadObs(Frozen):
+    tid: int
+    comm: str
+    state: str  # R S D T t Z X I, as in ps
+    state_since_s: float  # how long continuously in `state` (lower bound: 0 on first sight)
+    d_state_for_s: float  # how long continuously in D; 0 when not in D
+    ctx_unchanged_for_s: float  # how long its context-switch counts have not moved
+    voluntary_ctxt_switches: int
+    nonvoluntary_ctxt_switches: int
+    utime_s: float
+    stime_s: float
+    cpu_delta_s: float | None  # CPU seconds since the previous tick; None on first sight
+    wchan: str | None  # kernel function it sleeps in; None when running or unreadable
+    syscall: str | None  # name of the syscall it is blocked in; None when running or unknown
+    syscall_nr: int | None = None  # -1: blocked outside a syscall (e.g. a page fault)
+    syscall_args: tuple[int, ...] = ()
+    syscall_fd: int | None = None
+    syscall_file: str | None = None  # what syscall_fd points to, when known
+    stack: tuple[str, ...] | None = None  # kernel stack, innermost first; None when unreadable
+    # Seconds since it last ran on a CPU (scheduler's se.exec_start); 0 when running, None when
+    # the kernel does not say. A lower bound for ctx_unchanged_for_s that needs no watching.
+    last_ran_age_s: float | None = None
+
+
+class ProcessObs(Frozen):
+    pid: int
+    ppid: int
+    pgid: int
+    sid: int
+    uid: int | None
+    role: Role
+    start_ticks: int
+    start_time: float  # Unix seconds
+    comm: str
+    argv: tuple[str, ...]
+    cmdline: str  # argv joined with spaces, for display
+    cwd: str | None
+    state: str  # of the main thread, as ps shows it
+    state_since_s: float
+    d_state_for_s: float  # the longest any of its threads has been continuously in D
+    ctx_unchanged_for_s: float  # how long no thread of it has been switched in or out
+    last_ran_age_s: float | None = None  # since any of its threads last ran (scheduler clock)
+    tracked_for_s: float  # how long this probe has watched it: every duration above is <= this
+    wchan: str | None
+    voluntary_ctxt_switches: int  # summed over its live threads
+    nonvoluntary_ctxt_switches: int
+    utime_s: float  # whole process, including exited threads
+    stime_s: float
+    cpu_delta_s: float | None
+    cpu_util: float | None  # CPU cores busy over the last interval (1.0 = one core)
+    blkio_delay_s: float | None  # total time its threads waited for block I/O (delayacct)
+    rss_bytes: int | None
+    num_threads: int
+    io: IoObs | None  # None when ptrace access is denied
+    io_unchanged_for_s: float | None
+    num_fds: int | None  # None when the fd table is unreadable
+    open_files: tuple[OpenFileObs, ...] = ()
+    open_files_truncated: bool = False
+    tcp: tuple[SocketObs, ...] = ()
+    exit_code: int | None = None  # a zombie's returncode (negative: signal), when readable
+    threads: tuple[ThreadObs, ...] = ()
+    threads_truncated: bool = False
+
+
+class ExitObs(Frozen):
+    pid: int
+    start_ticks: int | None
+    start_time: float | None
+    role: Role
+    comm: str | None
+    cmdline: str | None
+    last_state: str | None  # the state it was last seen in (Z: it was a zombie, then reaped)
+    returncode: int | None  # negative: killed by that signal; None: unknown
+    returncode_source: Literal["waitpid", "zombie"] | None
+    noticed_at: float  # Unix seconds
+    exited_for_s: float  # since it was noticed
+
+
+class ProcessesObs(Frozen):
+    targets: tuple[int, ...]  # live pids that are the job itself
+    processes: tuple[ProcessObs, ...]  # targets first, then their descendants, breadth first
+    exited: tuple[ExitObs, ...] = ()
+    missing: tuple[int, ...] = ()  # explicit pids that did not exist when first looked for
+    reused: tuple[int, ...] = ()  # explicit pids now held by another process (not the job)
+    zombies: tuple[int, ...] = ()
+    denied: tuple[str, ...] = ()  # signals this tick could not read, e.g. ("stack", "io")
+
+
+# -------------------------------------------------------------------------------- probe state
+
+
+@dataclass(slots=True)
+class _Track:
+    """What one task looked like at the last tick, to turn counters into durations."""
+
+    first_at: float
+    seen_at: float
+    state: str
+    state_at: float
+    ctx: int
+    ctx_at: float
+    cpu_ticks: int
+    io_total: int | None = None
+    io_at: float = 0.0
+
+    def step(self, now: float, state: str, ctx: int, cpu_ticks: int) -> tuple[float, int]:
+        """Move to this tick; returns (seconds since the last tick, CPU ticks used since)."""
+        if state != self.state:
+            self.state, self.state_at = state, now
+        if ctx != self.ctx:
+            self.ctx, self.ctx_at = ctx, now
+        interval, cpu = now - self.seen_at, cpu_ticks - self.cpu_ticks
+        self.seen_at, self.cpu_ticks = now, cpu_ticks
+        return interval, cpu
+
+
+@dataclass(slots=True)
+class _Exit:
+    pid: int
+    start_ticks: int | None
+    role: Role
+    noticed_mono: float
+    noticed_at: float
+    comm: str | None = None
+    cmdline: str | None = None
+    start_time: float | None = None
+    last_state: str | None = None
+    returncode: int | None = None
+    source: Literal["waitpid", "zombie"] | None = None
+
+
+@dataclass(slots=True)
+class _Member:
+    """A process of the tree as last seen; what an exit report needs once it is gone."""
+
+    role: Role
+    comm: str | None
+    cmdline: str | None = None
+    start_time: float | None = None
+    state: str | None = None
+    returncode: int | None = None  # from the zombie's exit_code, if we saw it as one
+
+
+@dataclass
+class _Tick:
+    now: float
+    denied: set[str] = field(default_factory=set)
+    net: dict[str, dict[int, procfs.TcpSocket]] = field(default_factory=dict)
+    uptime_s: float | None = None
+
+
+# ---------------------------------------------------------------------------------------- probe
+
+
+class ProcessesProbe:
+    name = "processes"
+
+    def __init__(
+        self,
+        targets: TargetSpec,
+        roots: Roots = DEFAULT_ROOTS,
+        clock: Clock = SYSTEM_CLOCK,
+        max_open_files: int = 64,
+        read_stacks: bool = True,
+        *,
+        max_threads: int = 512,
+        max_fds_scanned: int = 1024,
+        known_starts: Mapping[int, int] | None = None,
+        self_pid: int | None = None,
+        clk_tck: int | None = None,
+        syscall_table: Mapping[int, str] | None = None,
+        exit_memory_s: float = 600.0,
+        max_exits: int = 64,
+    ) -> None:
+        """known_starts pins explicit pids to a start time (a re-attaching daemon knows it), so a
+        reused pid is never adopted. self_pid is excluded from --match, with its ancestors (the
+        shell that runs us has the pattern in its command line too); it defaults to our own pid
+        when reading the real /proc."""
+        self.roots, self.clock = roots, clock
+        self.max_open_files, self.read_stacks = max_open_files, read_stacks
+        self.max_threads, self.max_fds_scanned = max_threads, max_fds_scanned
+        self.exit_memory_s, self.max_exits = exit_memory_s, max_exits
+        self._explicit = tuple(dict.fromkeys(int(p) for p in targets.pids))
+        self._match = re.compile(targets.match) if targets.match else None
+        if self_pid is None and Path(roots.proc) == Path("/proc"):
+            self_pid = os.getpid()
+        self._self_pid = self_pid
+        self._tck = clk_tck or os.sysconf("SC_CLK_TCK")
+        self._syscalls = procfs.SYSCALLS if syscall_table is None else syscall_table
+        self._btime: int | None = None
+        self._first_collect = True
+        self._job: dict[int, int] = dict(known_starts or {})  # pid -> start of target identities
+        self._missing: set[int] = set()
+        # Pinned identities start as members, so the first tick reports them exited if gone.
+        self._members: dict[tuple[int, int], _Member] = {
+            (pid, start): _Member(role="target", comm=None) for pid, start in self._job.items()}
+        self._tracks: dict[tuple[str, int, int], _Track] = {}
+        self._cmdlines: dict[tuple[int, int, str], tuple[str, ...]] = {}
+        self._exits: list[_Exit] = []
+        self._noted: dict[tuple[int, int | None], int] = {}
+        self._lock = threading.Lock()  # note_exit comes from the supervisor's thread
+
+    # ------------------------------------------------------------------------------ public API
+
+    def note_exit(self, pid: int, start_ticks: int | None, returncode: int) -> None:
+        """The supervisor reaped its child: record the status waitpid gave (negative = signal)."""
+        with self._lock:
+            for ex in reversed(self._exits):
+                if ex.pid == pid and start_ticks in (None, ex.start_ticks):
+                    ex.returncode, ex.source = returncode, "waitpid"
+                    return
+            self._noted[(pid, start_ticks)] = returncode
+            known = [k for k in self._members if k[0] == pid and start_ticks in (None, k[1])]
+            if not known:
+                # It exited before any tick saw it: report it now rather than never.
+                now, wall = self.clock.monotonic(), self.clock.time()
+                self._exits.append(_Exit(
+                    pid=pid, start_ticks=start_ticks, noticed_mono=now, noticed_at=wall,
+                    role="target" if pid in self._explicit or pid in self._job else "descendant",
+                    returncode=returncode, source="waitpid",
+                    start_time=self._start_time(start_ticks) if start_ticks is not None else None,
+                ))
+
+    def collect(self) -> ProcessesObs:
+        tick = _Tick(now=self.clock.monotonic())
+        stats = self._scan()
+        targets = self._resolve(stats)
+        # Members stay in the tree while they live, even when reparented away from the job.
+        alive = [k for k in self._members if k[0] in stats and stats[k[0]].start_ticks == k[1]]
+        seeds = targets + alive
+        tree = self._tree(seeds, stats, exclude=self._self_pid)
+
+        observed, members = [], {}
+        for pid in tree:
+            st = stats[pid]
+            key = (pid, st.start_ticks)
+            role: Role = "target" if self._job.get(pid) == st.start_ticks else "descendant"
+            obs = self._process(st, role, tick)
+            if obs is not None:
+                observed.append(obs)
+                members[key] = _Member(role=role, comm=obs.comm, cmdline=obs.cmdline,
+                                       start_time=obs.start_time, state=obs.state,
+                                       returncode=obs.exit_code)
+            else:
+                # It died while we read it: keep it so the next tick reports the exit.
+                members[key] = self._members.get(key) or _Member(role=role, comm=st.comm)
+        self._notice_exits(members, tick.now)
+        self._members = members
+        self._forget(stats, tick.now)
+        self._first_collect = False
+
+        live = {k[0] for k in members}
+        return ProcessesObs(
+            targets=tuple(p for p, s in targets if p in live),
+            processes=tuple(observed),
+            exited=self._exit_obs(tick.now),
+            missing=tuple(sorted(self._missing)),
+            reused=tuple(p for p in self._explicit
+                         if p in self._job and p in stats and stats[p].start_ticks != self._job[p]),
+            zombies=tuple(o.pid for o in observed if o.state == "Z"),
+            denied=tuple(sorted(tick.denied)),
+        )
+
+    # --------------------------------------------------------------------- targets and the tree
+
+    def _scan(self) -> dict[int, procfs.Stat]:
+        stats = {}
+        for name in self.roots.listdir(self.roots.proc):
+            if name.isdigit():
+                try:
+                    text = self.roots.read_text(self.roots.proc / name / "stat")
+                    stats[int(name)] = procfs.parse_stat(text)
+                except (Absent, Denied):
+                    continue  # exited since the listing, or hidden from us (hidepid)
+        return stats
+
+    def _resolve(self, stats: dict[int, procfs.Stat]) -> list[tuple[int, int]]:
+        """Target identities (pid, start_ticks) alive now, explicit ones first."""
+        for pid in self._explicit:
+            if pid in self._job or pid in self._missing:
+                continue
+            # Adopt an explicit pid only at the first look: a pid that appears later is a new
+            # process that happens to get the number, not the job the user named.
+            if self._first_collect and pid in stats:
+                self._job[pid] = stats[pid].start_ticks
+            else:
+                self._missing.add(pid)
+        if self._match is not None:
+            excluded = self._ancestry(stats)
+            for pid, st in stats.items():
+                if pid in excluded or self._job.get(pid) == st.start_ticks:
+                    continue
+                if pid == 2 or st.ppid == 2:
+                    continue  # kthreadd and kernel threads have no command line
+                argv = self._argv(pid, st)
+                if argv and self._match.search(" ".join(argv)):
+                    self._job[pid] = st.start_ticks
+        return [(p, s) for p, s in self._job.items() if p in stats and stats[p].start_ticks == s]
+
+    def _ancestry(self, stats: dict[int, procfs.Stat]) -> set[int]:
+        out, pid = set(), self._self_pid
+        while pid is not None and pid > 0 and pid not in out:
+            out.add(pid)
+            pid = stats[pid].ppid if pid in stats else None
+        return out
+
+    @staticmethod
+    def _tree(seeds: Iterable[tuple[int, int]], stats: dict[int, procfs.Stat],
+              exclude: int | None) -> list[int]:
+        """Seeds and their descendants, breadth first; never `exclude` (stallwatch run from
+        inside the job's shell would otherwise watch itself)."""
+        children: dict[int, list[int]] = {}
+        for pid, st in stats.items():
+            children.setdefault(st.ppid, []).append(pid)
+        order, seen = [], set()
+        queue = deque(p for p, _ in seeds)
+        while queue:
+            pid = queue.popleft()
+            if pid in seen or pid == exclude:
+                continue
+            seen.add(pid)
+            order.append(pid)
+            queue.extend(sorted(children.get(pid, ())))
+        return order
+
+    def _argv(self, pid: int, st: procfs.Stat) -> tuple[str, ...]:
+        # Read once per identity: cmdline takes the target's mmap lock, which a process stuck in a
+        # page fault can hold for as long as the fault. comm is in the key because exec changes
+        # the command line but keeps the pid and start time.
+        key = (pid, st.start_ticks, st.comm)
+        argv = self._cmdlines.get(key)
+        if argv is None:
+            try:
+                raw = self.roots.read_bytes(self.roots.pid_dir(pid) / "cmdline")
+                argv = procfs.parse_cmdline(raw)
+            except (Absent, Denied):
+                argv = ()
+            if argv or st.state in ("Z", "X"):
+                self._cmdlines[key] = argv
+        return argv
+
+    # ------------------------------------------------------------------------------ processes
+
+    def _start_time(self, start_ticks: int) -> float:
+        if self._btime is None:
+            self._btime = procfs.parse_btime(self.roots.read_text(self.roots.proc / "stat"))
+        return self._btime + start_ticks / self._tck
+
+    def _optional(self, path: Path, parse: Callable[[str], T], signal: str,
+                  tick: _Tick) -> T | None:
+        """A read whose failure is a value: Absent (task gone, feature missing) or Denied."""
+        try:
+            return parse(self.roots.read_text(path))
+        except Absent:
+            return None
+        except Denied:
+            tick.denied.add(signal)
+            return None
+
+    def _track(self, key: tuple[str, int, int], now: float, state: str, ctx: int,
+               cpu: int) -> tuple[_Track, float, int | None]:
+        """The task's memory, seconds since its last tick, CPU ticks since (None: first sight)."""
+        tr = self._tracks.get(key)
+        if tr is None:
+            self._tracks[key] = _Track(now, now, state, now, ctx, now, cpu)
+            return self._tracks[key], 0.0, None
+        interval, cpu_delta = tr.step(now, state, ctx, cpu)
+        return tr, interval, cpu_delta
+
+    def _process(self, st: procfs.Stat, role: Role, tick: _Tick) -> ProcessObs | None:
+        pid, now, d = st.pid, tick.now, self.roots.pid_dir(st.pid)
+        try:
+            tids = sorted(int(t) for t in self.roots.listdir(d / "task") if t.isdigit())
+        except (Absent, Denied):
+            return None
+        fds = self._fds(pid, tick)
+        threads = [t for t in (self._thread(pid, tid, fds, tick) for tid in tids[:self.max_threads])
+                   if t is not None]
+        if not threads:
+            return None
+        leader = next((t for t in threads if t.tid == pid), None)
+        status = self._optional(d / "status", procfs.parse_status, "status", tick)
+        io = self._optional(d / "io", procfs.parse_io, "io", tick)
+        cwd = self._link(d / "cwd", "cwd", tick)
+
+        ctx_v = sum(t.voluntary_ctxt_switches for t in threads)
+        ctx_n = sum(t.nonvoluntary_ctxt_switches for t in threads)
+        cpu_ticks = st.utime_ticks + st.stime_ticks
+        tr, interval, cpu_delta = self._track(("p", pid, st.start_ticks), now, st.state,
+                                              ctx_v + ctx_n, cpu_ticks)
+        io_unchanged = None
+        if io is not None:
+            if tr.io_total != io.total:
+                tr.io_total, tr.io_at = io.total, now
+            io_unchanged = now - tr.io_at
+        cpu_delta_s = None if cpu_delta is None else cpu_delta / self._tck
+        argv = self._argv(pid, st)
+        exit_code = None
+        if st.state == "Z" and st.exit_code is not None and io is not None:
+            # The kernel shows exit_code only to those who may ptrace the task, else 0; a
+            # readable io file is that same permission, so 0 here is a real exit status.
+            exit_code = procfs.decode_wait_status(st.exit_code)
+        files, truncated, sockets = self._files(pid, fds, tick)
+        return ProcessObs(
+            pid=pid, ppid=st.ppid, pgid=st.pgid, sid=st.sid, role=role,
+            uid=status.uid if status else None,
+            start_ticks=st.start_ticks, start_time=self._start_time(st.start_ticks),
+            comm=st.comm, argv=argv, cmdline=" ".join(argv), cwd=cwd,
+            state=st.state, state_since_s=now - tr.state_at,
+            d_state_for_s=max(t.d_state_for_s for t in threads),
+            ctx_unchanged_for_s=now - tr.ctx_at, tracked_for_s=now - tr.first_at,
+            last_ran_age_s=_min_known(t.last_ran_age_s for t in threads),
+            wchan=leader.wchan if leader else None,
+            voluntary_ctxt_switches=ctx_v, nonvoluntary_ctxt_switches=ctx_n,
+            utime_s=st.utime_ticks / self._tck, stime_s=st.stime_ticks / self._tck,
+            cpu_delta_s=cpu_delta_s,
+            cpu_util=cpu_delta_s / interval if cpu_delta_s is not None and interval > 0 else None,
+            blkio_delay_s=(None if st.blkio_delay_ticks is None
+                           else st.blkio_delay_ticks / self._tck),
+            rss_bytes=status.rss_bytes if status else None, num_threads=st.num_threads,
+            io=IoObs(**{f: getattr(io, f) for f in IoObs.model_fields}) if io else None,
+            io_unchanged_for_s=io_unchanged,
+            num_fds=None if fds is None else len(fds),
+            open_files=files, open_files_truncated=truncated, tcp=sockets, exit_code=exit_code,
+            threads=tuple(threads), threads_truncated=len(tids) > self.max_threads,
+        )
+
+    def _thread(self, pid: int, tid: int, fds: dict[int, str] | None,
+                tick: _Tick) -> ThreadObs | None:
+        d, now = self.roots.pid_dir(pid, tid), tick.now
+        try:
+            st = procfs.parse_stat(self.roots.read_text(d / "stat"))
+            status = procfs.parse_status(self.roots.read_text(d / "status"))
+        except (Absent, Denied):  # gone since the listing, or hidden by hidepid
+            return None
+        ctx = status.voluntary_ctxt_switches + status.nonvoluntary_ctxt_switches
+        tr, _, cpu_delta = self._track(("t", tid, st.start_ticks), now, st.state, ctx,
+                                       st.utime_ticks + st.stime_ticks)
+        # A running task has no wait channel or stable syscall, and unwinding its stack races
+        # with the CPU it runs on: read those only for tasks that are off-CPU.
+        blocked = st.state not in ("R", "Z", "X")
+        wchan = self._optional(d / "wchan", procfs.parse_wchan, "wchan", tick) if blocked else None
+        sc = self._optional(d / "syscall", lambda s: procfs.parse_syscall(s, self._syscalls),
+                            "syscall", tick) if blocked else None
+        stack = (self._optional(d / "stack", procfs.parse_stack, "stack", tick)
+                 if blocked and self.read_stacks else None)
+        last_ran = 0.0 if not blocked else self._last_ran_age(d, tick)
+        sc_fd = sc.args[0] if sc and sc.name in FD_SYSCALLS and sc.args else None
+        if sc_fd is not None and sc_fd >= 1 << 31:  # not an fd: AT_FDCWD or garbage
+            sc_fd = None
+        return ThreadObs(
+            tid=tid, comm=st.comm, state=st.state, state_since_s=now - tr.state_at,
+            d_state_for_s=now - tr.state_at if st.state == "D" else 0.0,
+            ctx_unchanged_for_s=now - tr.ctx_at,
+            voluntary_ctxt_switches=status.voluntary_ctxt_switches,
+            nonvoluntary_ctxt_switches=status.nonvoluntary_ctxt_switches,
+            utime_s=st.utime_ticks / self._tck, stime_s=st.stime_ticks / self._tck,
+            cpu_delta_s=None if cpu_delta is None else cpu_delta / self._tck,
+            wchan=wchan, syscall=sc.name if sc else None, syscall_nr=sc.nr if sc else None,
+            syscall_args=sc.args if sc else (), syscall_fd=sc_fd,
+            syscall_file=fds.get(sc_fd) if fds is not None and sc_fd is not None else None,
+            stack=stack, last_ran_age_s=last_ran,
+        )
+
+    def _last_ran_age(self, d: Path, tick: _Tick) -> float | None:
+        if tick.uptime_s is None:
+            up = self._optional(self.roots.proc / "uptime", procfs.parse_uptime_s, "uptime", tick)
+            tick.uptime_s = up if up is not None else -1.0
+        if tick.uptime_s < 0:
+            return None
+        start = self._optional(d / "sched", procfs.parse_sched_exec_start_s, "sched", tick)
+        return None if start is None else max(0.0, tick.uptime_s - start)
+
+    # -------------------------------------------------------------------------- files, sockets
+
+    def _link(self, path: Path, signal: str, tick: _Tick) -> str | None:
+        try:
+            return self.roots.readlink(path)
+        except Absent:
+            return None
+        except Denied:
+            tick.denied.add(signal)
+            return None
+
+    def _fds(self, pid: int, tick: _Tick) -> dict[int, str] | None:
+        """fd -> readlink target, for at most max_fds_scanned fds; None when unreadable."""
+        fd_dir = self.roots.pid_dir(pid) / "fd"
+        links = {}
+        try:
+            names = sorted(int(n) for n in self.roots.listdir(fd_dir) if n.isdigit())
+            for fd in names[:self.max_fds_scanned]:
+                try:
+                    links[fd] = self.roots.readlink(fd_dir / str(fd))
+                except Absent:
+                    continue  # closed since the listing
+        except Absent:
+            return None
+        except Denied:
+            # Listing can be allowed while every readlink is refused: report no table at all
+            # rather than an empty one that reads as "no open files".
+            tick.denied.add("fd")
+            return None
+        return links
+
+    def _files(self, pid: int, fds: dict[int, str] | None, tick: _Tick):
+        if not fds:
+            return (), False, ()
+        inodes = procfs.socket_inodes(fds)
+        sockets = self._tcp(pid, inodes, tick) if inodes else ()
+        others = [(fd, p) for fd, p in fds.items() if fd not in inodes.values()]
+        # Regular files first: a checkpoint being written matters more than the 40 fds every
+        # CUDA process holds on /dev/nvidia*, and the cap must not push it out.
+        others.sort(key=lambda fp: (not fp[1].startswith("/") or fp[1].startswith("/dev/"), fp[0]))
+        files = []
+        for fd, path in others[:self.max_open_files]:
+            write = pos = None
+            if path.startswith("/") and not path.startswith("/dev/"):
+                info = self._optional(self.roots.pid_dir(pid) / "fdinfo" / str(fd),
+                                      procfs.parse_fdinfo, "fdinfo", tick)
+                if info is not None:
+                    pos, flags = info
+                    write = procfs.opened_for_write(flags) if flags is not None else None
+            files.append(OpenFileObs(fd=fd, path=path, write=write, pos_bytes=pos))
+        return tuple(files), len(others) > self.max_open_files, sockets
+
+    def _tcp(self, pid: int, inodes: dict[int, int], tick: _Tick) -> tuple[SocketObs, ...]:
+        # Socket tables belong to a network namespace: read the target's own view, once per
+        # namespace per tick.
+        d = self.roots.pid_dir(pid)
+        ns = self._link(d / "ns" / "net", "ns", tick) or f"pid:{pid}"
+        table = tick.net.get(ns)
+        if table is None:
+            table = {}
+            for name in ("tcp", "tcp6"):
+                socks = self._optional(d / "net" / name, procfs.parse_net_tcp, "net", tick)
+                table.update((sock.inode, sock) for sock in socks or ())
+            tick.net[ns] = table
+        return tuple(
+            SocketObs(fd=fd, local_addr=s.local_addr, local_port=s.local_port,
+                      remote_addr=s.remote_addr, remote_port=s.remote_port, state=s.state,
+                      tx_queue_bytes=s.tx_queue_bytes, rx_queue_bytes=s.rx_queue_bytes)
+            for inode, fd in sorted(inodes.items(), key=lambda kv: kv[1])
+            if (s := table.get(inode)) is not None
+        )
+
+    # ---------------------------------------------------------------------------------- exits
+
+    def _notice_exits(self, members: dict[tuple[int, int], _Member], now: float) -> None:
+        wall = self.clock.time()
+        with self._lock:
+            for (pid, start), m in self._members.items():
+                if (pid, start) in members:
+                    continue
+                rc = self._noted.pop((pid, start), None)
+                if rc is None:
+                    rc = self._noted.pop((pid, None), None)
+                source = ("waitpid" if rc is not None
+                          else "zombie" if m.returncode is not None else None)
+                self._exits.append(_Exit(
+                    pid=pid, start_ticks=start, role=m.role, noticed_mono=now, noticed_at=wall,
+                    comm=m.comm, cmdline=m.cmdline, start_time=m.start_time, last_state=m.state,
+                    returncode=rc if rc is not None else m.returncode, source=source,
+                ))
+
+    def _exit_obs(self, now: float) -> tuple[ExitObs, ...]:
+        with self._lock:
+            # Target exits stay (a crash verdict must not fade); descendants' only for a while,
+            # since data-loader workers come and go by the hundred.
+            keep = [e for e in self._exits
+                    if e.role == "target" or now - e.noticed_mono <= self.exit_memory_s]
+            while len(keep) > self.max_exits:
+                victim = next((e for e in keep if e.role != "target"), keep[0])
+                keep.remove(victim)
+            self._exits = keep
+            return tuple(
+                ExitObs(pid=e.pid, start_ticks=e.start_ticks, start_time=e.start_time, role=e.role,
+                        comm=e.comm, cmdline=e.cmdline, last_state=e.last_state,
+                        returncode=e.returncode, returncode_source=e.source,
+                        noticed_at=e.noticed_at, exited_for_s=now - e.noticed_mono)
+                for e in keep
+            )
+
+    def _forget(self, stats: dict[int, procfs.Stat], now: float) -> None:
+        """Drop memory of tasks that are gone, so a long run does not grow without bound."""
+        live = {(p, s.start_ticks) for p, s in stats.items()}
+        # Explicit pids keep their identity after death: that is how a reuse is recognised.
+        self._job = {p: s for p, s in self._job.items() if p in self._explicit or (p, s) in live}
+        self._tracks = {k: v for k, v in self._tracks.items() if v.seen_at == now}
+        self._cmdlines = {k: v for k, v in self._cmdlines.items() if (k[0], k[1]) in live}
+        with self._lock:
+            watched = {pid for pid, _ in self._members}
+            self._noted = {k: v for k, v in self._noted.items() if k[0] in watched}
+
+
+def _min_known(xs: Iterable[float | None]) -> float | None:
+    known = [x for x in xs if x is not None]
+    return min(known) if known else None

@@ -1,0 +1,324 @@
+"""Pure parsers for /proc files: text in, frozen records out. No file access here.
+
+The probe reads through Roots and hands the text to these functions, so every parser is tested on
+captured fixture files. Records are slotted frozen dataclasses rather than pydantic models: the
+probe parses every /proc/*/stat every second, and these are intermediate values, not
+observations (the probe turns them into its pydantic models).
+
+A malformed file raises ValueError: /proc formats are stable ABI, so a parse failure is a bug
+or a wrong file, and the probe runner reports it instead of hiding it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+
+@dataclass(frozen=True, slots=True)
+class Stat:
+    """The fields of /proc/PID/stat (and task/TID/stat) that stallwatch uses. Ticks are CLK_TCK."""
+
+    pid: int
+    comm: str
+    state: str
+    ppid: int
+    pgid: int
+    sid: int
+    utime_ticks: int
+    stime_ticks: int
+    num_threads: int
+    start_ticks: int  # since boot; with the pid, the identity of a process across pid reuse
+    vsize_bytes: int
+    rss_pages: int
+    blkio_delay_ticks: int | None  # field 42: time spent waiting for block I/O (needs delayacct)
+    exit_code: int | None  # field 52: raw wait status; 0 unless a zombie and we may ptrace it
+
+
+def parse_stat(text: str) -> Stat:
+    # comm is free text chosen by the process (prctl, /proc/self/comm) and may contain spaces
+    # and ')' itself; the kernel writes it between the first '(' and the LAST ')'.
+    lpar, rpar = text.find("("), text.rfind(")")
+    if lpar < 0 or rpar < lpar:
+        raise ValueError(f"not a stat line: {text[:80]!r}")
+    rest = text[rpar + 2:].split()
+    if len(rest) < 22:
+        raise ValueError(f"stat line too short ({len(rest)} fields after comm)")
+
+    def field(n: int) -> int | None:
+        # Field numbers as in proc(5); the first field after comm is number 3.
+        i = n - 3
+        return int(rest[i]) if i < len(rest) else None
+
+    return Stat(
+        pid=int(text[:lpar]),
+        comm=text[lpar + 1:rpar],
+        state=rest[0],
+        ppid=int(rest[1]),
+        pgid=int(rest[2]),
+        sid=int(rest[3]),
+        utime_ticks=int(rest[11]),
+        stime_ticks=int(rest[12]),
+        num_threads=int(rest[17]),
+        start_ticks=int(rest[19]),
+        vsize_bytes=int(rest[20]),
+        rss_pages=int(rest[21]),
+        blkio_delay_ticks=field(42),
+        exit_code=field(52),
+    )
+
+
+def decode_wait_status(status: int) -> int:
+    """A raw wait status as subprocess reports it: exit code, or minus the killing signal."""
+    if os.WIFSIGNALED(status):
+        return -os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    name: str
+    tgid: int
+    ppid: int
+    uid: int  # real uid
+    threads: int | None
+    rss_bytes: int | None  # None for kernel threads and zombies, which have no memory map
+    voluntary_ctxt_switches: int
+    nonvoluntary_ctxt_switches: int
+
+
+def parse_status(text: str) -> Status:
+    kv: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            kv[key] = value.strip()
+    try:
+        rss = kv.get("VmRSS")
+        return Status(
+            name=kv.get("Name", ""),
+            tgid=int(kv["Tgid"]),
+            ppid=int(kv["PPid"]),
+            uid=int(kv["Uid"].split()[0]),
+            threads=int(kv["Threads"]) if "Threads" in kv else None,
+            rss_bytes=int(rss.split()[0]) * 1024 if rss else None,
+            voluntary_ctxt_switches=int(kv["voluntary_ctxt_switches"]),
+            nonvoluntary_ctxt_switches=int(kv["nonvoluntary_ctxt_switches"]),
+        )
+    except KeyError as e:
+        raise ValueError(f"status lacks {e}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Io:
+    rchar: int  # bytes through read-like syscalls, including page-cache hits and sockets
+    wchar: int
+    syscr: int
+    syscw: int
+    read_bytes: int  # bytes the storage layer fetched for this process
+    write_bytes: int  # bytes it caused to be sent to storage (dirtied)
+    cancelled_write_bytes: int
+
+    @property
+    def total(self) -> int:
+        """One number that moves whenever the process does any I/O at all."""
+        return self.rchar + self.wchar + self.read_bytes + self.write_bytes
+
+
+def parse_io(text: str) -> Io:
+    kv = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            kv[key.strip()] = int(value)
+    try:
+        return Io(**{f: kv[f] for f in Io.__dataclass_fields__})
+    except KeyError as e:
+        raise ValueError(f"io lacks {e}") from None
+
+
+def _syscall_table() -> Mapping[int, str]:
+    machine = platform.machine()
+    if machine == "x86_64":
+        from stallwatch.syscalls_x86_64 import SYSCALLS
+    elif machine in ("aarch64", "arm64"):
+        from stallwatch.syscalls_aarch64 import SYSCALLS
+    else:
+        SYSCALLS = {}
+    return SYSCALLS
+
+
+SYSCALLS: Mapping[int, str] = _syscall_table()
+
+
+@dataclass(frozen=True, slots=True)
+class Syscall:
+    """/proc/PID/syscall: the syscall a blocked task sits in.
+
+    `running` means the task was on a CPU (no stable answer); nr == -1 means blocked but not in a
+    syscall (e.g. a page fault). args are the six raw register values.
+    """
+
+    running: bool
+    nr: int | None
+    name: str | None
+    args: tuple[int, ...] = ()
+
+
+def parse_syscall(text: str, table: Mapping[int, str] | None = None) -> Syscall:
+    words = text.split()
+    if not words:
+        raise ValueError("empty syscall file")
+    if words[0] == "running":
+        return Syscall(running=True, nr=None, name=None)
+    nr = int(words[0])
+    if nr < 0:
+        return Syscall(running=False, nr=nr, name=None)
+    # nr, six args, then sp and pc.
+    args = tuple(int(w, 16) for w in words[1:7])
+    name = (SYSCALLS if table is None else table).get(nr)
+    return Syscall(running=False, nr=nr, name=name, args=args)
+
+
+def parse_wchan(text: str) -> str | None:
+    """A symbol, or None: the kernel writes "0" (or nothing) for a task that is not waiting."""
+    s = text.strip()
+    return None if s in ("", "0") else s
+
+
+def parse_stack(text: str) -> tuple[str, ...]:
+    """Function names, innermost first: `[<0>] percpu_rwsem_wait+0x15f/0x1d0` -> percpu_rwsem_wait.
+
+    The address in brackets is hidden (0) without kallsyms access, and module suffixes
+    (` [ext4]`) are dropped so rules can match names regardless of how the code was built.
+    """
+    names = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("[<"):
+            line = line[line.find("]") + 1:].strip()
+        name = line.split("+", 1)[0].split(" ", 1)[0]
+        if name:
+            names.append(name)
+    return tuple(names)
+
+
+def parse_cmdline(data: bytes) -> tuple[str, ...]:
+    """argv from NUL-separated bytes; () for kernel threads and zombies.
+
+    Trailing NULs are dropped as padding (setproctitle leaves them), at the price of losing
+    genuinely empty trailing arguments.
+    """
+    data = data.rstrip(b"\0")
+    return tuple(a.decode("utf-8", "replace") for a in data.split(b"\0")) if data else ()
+
+
+def parse_btime(text: str) -> int:
+    """Boot time in Unix seconds, from /proc/stat."""
+    for line in text.splitlines():
+        if line.startswith("btime "):
+            return int(line.split()[1])
+    raise ValueError("no btime in /proc/stat")
+
+
+def parse_sched_exec_start_s(text: str) -> float | None:
+    """`se.exec_start` from /proc/PID/sched: when the task last ran, in seconds of the scheduler
+    clock (close to /proc/uptime). None when the kernel has no CONFIG_SCHED_DEBUG fields.
+
+    This is history a one-shot diagnosis cannot otherwise see: a deadlocked thread that last ran
+    three hours ago says so at once, without watching it for three hours.
+    """
+    for line in text.splitlines():
+        if line.startswith("se.exec_start"):
+            return float(line.rpartition(":")[2]) / 1000.0
+    return None
+
+
+def parse_uptime_s(text: str) -> float:
+    return float(text.split()[0])
+
+
+def parse_fdinfo(text: str) -> tuple[int | None, int | None]:
+    """(pos, flags) from /proc/PID/fdinfo/FD; flags are octal open(2) flags."""
+    pos = flags = None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key == "pos":
+            pos = int(value)
+        elif key == "flags":
+            flags = int(value, 8)
+    return pos, flags
+
+
+def opened_for_write(flags: int) -> bool:
+    return flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
+
+
+TCP_STATES = {
+    1: "ESTABLISHED", 2: "SYN_SENT", 3: "SYN_RECV", 4: "FIN_WAIT1", 5: "FIN_WAIT2",
+    6: "TIME_WAIT", 7: "CLOSE", 8: "CLOSE_WAIT", 9: "LAST_ACK", 10: "LISTEN", 11: "CLOSING",
+    12: "NEW_SYN_RECV",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TcpSocket:
+    local_addr: str
+    local_port: int
+    remote_addr: str
+    remote_port: int
+    state: str
+    tx_queue_bytes: int  # sent, not yet acknowledged by the peer
+    rx_queue_bytes: int  # received, not yet read by the process (LISTEN: accept backlog)
+    uid: int
+    inode: int
+
+
+def _addr(hexaddr: str, byteorder: str) -> str:
+    # The kernel prints each 32-bit word of the address with %08X in host byte order.
+    raw = bytes.fromhex(hexaddr)
+    if byteorder == "little":
+        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return str(ipaddress.ip_address(raw))
+
+
+def parse_net_tcp(text: str, byteorder: str = sys.byteorder) -> tuple[TcpSocket, ...]:
+    """/proc/net/tcp or tcp6 (the same layout; tcp6 addresses are 32 hex digits)."""
+    out = []
+    for line in text.splitlines()[1:]:
+        f = line.split()
+        if len(f) < 10:
+            continue
+        local, remote = f[1].split(":"), f[2].split(":")
+        tx, rx = f[4].split(":")
+        state = int(f[3], 16)
+        out.append(TcpSocket(
+            local_addr=_addr(local[0], byteorder), local_port=int(local[1], 16),
+            remote_addr=_addr(remote[0], byteorder), remote_port=int(remote[1], 16),
+            state=TCP_STATES.get(state, f"0x{state:02X}"),
+            tx_queue_bytes=int(tx, 16), rx_queue_bytes=int(rx, 16),
+            uid=int(f[7]), inode=int(f[9]),
+        ))
+    return tuple(out)
+
+
+def socket_inode(link: str) -> int | None:
+    """The inode of an fd readlink `socket:[12345]`, None for anything else."""
+    if link.startswith("socket:[") and link.endswith("]"):
+        return int(link[8:-1])
+    return None
+
+
+def socket_inodes(links: Mapping[int, str] | Iterable[tuple[int, str]]) -> dict[int, int]:
+    """inode -> fd for every socket among fd readlinks (fd -> link target)."""
+    items = links.items() if isinstance(links, Mapping) else links
+    out = {}
+    for fd, link in items:
+        inode = socket_inode(link)
+        if inode is not None:
+            out.setdefault(inode, fd)
+    return out

@@ -1,0 +1,322 @@
+"""Test rigs: real processes in real kernel states, loop-mounted filesystems, fake /proc trees.
+
+Import as `from rigs import ...` (pytest puts tests/ on sys.path). Every rig cleans up in its
+own `finally`, and the frozen filesystem also thaws itself from a timer thread: a test stuck in
+an uninterruptible wait would never reach its `finally`, and a filesystem left frozen hangs every
+later writer on the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, TypeVar
+
+import pytest
+
+from stallwatch.roots import Roots
+
+T = TypeVar("T")
+
+
+@pytest.fixture
+def root() -> None:
+    """Use in tests marked @pytest.mark.root: skips, saying why, when not running as root."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (loop devices, mount, fsfreeze, /proc/PID/stack)")
+    tools = ("losetup", "mkfs.ext4", "fsfreeze", "mount", "umount")
+    missing = [t for t in tools if not shutil.which(t)]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} (util-linux, e2fsprogs)")
+
+
+# ------------------------------------------------------------------------------------ polling
+
+
+def wait_until(probe: Callable[[], T], timeout: float = 10.0, what: str = "condition") -> T:
+    """Poll `probe` until it returns something truthy; raise TimeoutError saying what we awaited."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.01)
+
+
+def task_state(pid: int, tid: int | None = None) -> str | None:
+    """The state letter of a task, None once it is gone."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    try:
+        with open(path) as f:
+            text = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return text[text.rfind(")") + 2]
+
+
+def wait_for_state(pid: int, states: str, timeout: float = 10.0, tid: int | None = None) -> str:
+    """Wait until the task's state letter is one of `states` (e.g. "D" or "SD")."""
+    return wait_until(lambda: (s := task_state(pid, tid)) in tuple(states) and s,
+                      timeout, f"pid {pid}{f'/{tid}' if tid else ''} to enter state {states} "
+                               f"(now {task_state(pid, tid)})")
+
+
+def thread_ids(pid: int) -> list[int]:
+    return sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+
+
+# ---------------------------------------------------------------------------------- processes
+
+
+def _reap_later(proc: subprocess.Popen) -> None:
+    # A task in D keeps a pending SIGKILL until its I/O returns (a frozen fs thaws): reap it
+    # whenever that happens rather than block the test's cleanup on it.
+    threading.Thread(target=proc.wait, name=f"reap-{proc.pid}", daemon=True).start()
+
+
+@contextmanager
+def spawned(argv: list[str], **popen_kw) -> Iterator[subprocess.Popen]:
+    """A child in its own session; killed with its whole process group on exit."""
+    proc = subprocess.Popen(argv, start_new_session=True, **popen_kw)
+    try:
+        yield proc
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if task_state(proc.pid) == "D":
+            _reap_later(proc)  # it dies only once its I/O returns: don't wait for that here
+        else:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                _reap_later(proc)
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            if stream:
+                stream.close()
+
+
+# Two threads each take one lock, meet at a barrier, then want the other's lock: a true deadlock
+# with every thread blocked in futex, no timeouts, no wakeups.
+DEADLOCK = """
+import sys, threading
+a, b = threading.Lock(), threading.Lock()
+met = threading.Barrier(3)
+def grab(first, second):
+    with first:
+        met.wait()
+        with second:
+            pass
+ts = [threading.Thread(target=grab, args=(a, b)), threading.Thread(target=grab, args=(b, a))]
+for t in ts:
+    t.start()
+met.wait()
+print("ready", flush=True)
+for t in ts:
+    t.join()
+"""
+
+
+@contextmanager
+def spawn_in_state(state: str, *, where: Path | None = None, argv: list[str] | None = None,
+                   timeout: float = 10.0) -> Iterator[subprocess.Popen]:
+    """A real process in kernel state R, S, T, Z or D, yielded once /proc shows it there.
+
+    R: a busy loop. S: a two-lock deadlock (all three threads in futex). T: SIGSTOPped sleep.
+    Z: an exited child of ours (`argv`, default `true`), reaped only when the block ends.
+    D: a shell whose open(O_CREAT) in `where` blocks; `where` must be a frozen mount (see
+    frozen_ext4).
+    """
+    if state == "Z":
+        proc = subprocess.Popen(argv or ["true"])
+        try:
+            wait_for_state(proc.pid, "Z", timeout)
+            yield proc
+        finally:
+            proc.wait()
+        return
+    argv = argv or {
+        "R": [sys.executable, "-c", "while True: pass"],
+        "S": [sys.executable, "-c", DEADLOCK],
+        "T": ["sleep", "1000"],
+        "D": ["sh", "-c", 'echo stuck > "$1/stuck"', "sh", str(where)],
+    }[state]
+    if state == "D" and where is None:
+        raise ValueError("state D needs `where`, a frozen mount directory")
+    with spawned(argv, stdout=subprocess.PIPE if state == "S" else None) as proc:
+        if state == "S":
+            # The threads print nothing once deadlocked; "ready" says both locks are taken.
+            assert proc.stdout is not None
+            ready, _, _ = select.select([proc.stdout], [], [], timeout)
+            line = proc.stdout.readline() if ready else b""
+            if line != b"ready\n":
+                raise TimeoutError(f"deadlock script did not get ready: {line!r}")
+            wait_until(lambda: all(task_state(proc.pid, t) == "S" for t in thread_ids(proc.pid)),
+                       timeout, "all threads of the deadlock to sleep")
+        elif state == "T":
+            wait_for_state(proc.pid, "S", timeout)  # sleeping in nanosleep: exec is done
+            os.kill(proc.pid, signal.SIGSTOP)
+        wait_for_state(proc.pid, state, timeout)
+        yield proc
+
+
+# ------------------------------------------------------------------------- loop-mounted ext4
+
+
+class RigUnavailable(RuntimeError):
+    """The machine cannot provide the rig (no loop device, mount refused): skip, don't fail."""
+
+
+def _run(*argv: str) -> str:
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        raise RigUnavailable(f"{' '.join(argv)}: {r.stderr.strip() or r.returncode}")
+    return r.stdout.strip()
+
+
+@dataclass
+class Ext4:
+    mnt: Path
+    dev: str
+    frozen: bool = False
+
+    def freeze(self) -> None:
+        _run("fsfreeze", "-f", str(self.mnt))
+        self.frozen = True
+
+    def thaw(self) -> None:
+        # Idempotent, and safe from the safety timer's thread: fsfreeze -u on a thawed fs fails
+        # with EINVAL, which is the state we want anyway.
+        if self.frozen:
+            subprocess.run(["fsfreeze", "-u", str(self.mnt)], capture_output=True, timeout=30)
+            self.frozen = False
+
+
+@contextmanager
+def loop_ext4(size_mb: int = 16) -> Iterator[Ext4]:
+    """A fresh ext4 image, attached to a loop device and mounted in a temp dir."""
+    base = Path(tempfile.mkdtemp(prefix="stallwatch-ext4-"))
+    img, mnt = base / "fs.img", base / "mnt"
+    mnt.mkdir()
+    dev = None
+    mounted = False
+    fs = None
+    try:
+        with open(img, "wb") as f:
+            f.truncate(size_mb << 20)
+        _run("mkfs.ext4", "-q", "-F", str(img))
+        dev = _run("losetup", "--find", "--show", str(img))
+        _run("mount", "-t", "ext4", dev, str(mnt))
+        mounted = True
+        fs = Ext4(mnt=mnt, dev=dev)
+        yield fs
+    finally:
+        if fs is not None:
+            fs.thaw()
+        if mounted:
+            _umount(mnt)
+        if dev:
+            subprocess.run(["losetup", "-d", dev], capture_output=True, timeout=30)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _umount(mnt: Path, timeout: float = 10.0) -> None:
+    # Writers killed while the fs was frozen exit only after the thaw, and until then they keep
+    # files open (EBUSY): retry for a while, then detach lazily so the loop device can go.
+    deadline = time.monotonic() + timeout
+    while subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30).returncode != 0:
+        if time.monotonic() > deadline:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+            return
+        time.sleep(0.05)
+
+
+@contextmanager
+def frozen_ext4(size_mb: int = 16, max_frozen_s: float = 60.0) -> Iterator[tuple[Path, str]]:
+    """(mount dir, loop device) of a loop-mounted ext4 frozen with fsfreeze -f.
+
+    Any writer there blocks in D (wchan percpu_rwsem_wait) until the block ends, which thaws,
+    unmounts and detaches. Start writers inside this block so they are killed before the thaw.
+    After max_frozen_s a timer thaws it anyway.
+    """
+    with loop_ext4(size_mb) as fs:
+        fs.freeze()
+        timer = threading.Timer(max_frozen_s, fs.thaw)
+        timer.daemon = True
+        timer.start()
+        try:
+            yield fs.mnt, fs.dev
+        finally:
+            timer.cancel()
+            fs.thaw()
+
+
+# ------------------------------------------------------------------------------ fake /proc
+
+
+class FakeProc:
+    """A synthetic /proc tree for probe tests where pids must come, go and be reused at will.
+
+    Only what the processes probe reads is written; each task gets stat, status, wchan and
+    syscall, and the process cmdline, io and an empty fd dir.
+    """
+
+    def __init__(self, base: Path, btime: int = 1_700_000_000) -> None:
+        self.base = Path(base)
+        self.proc = self.base / "proc"
+        self.proc.mkdir(parents=True, exist_ok=True)
+        (self.proc / "stat").write_text(f"cpu  1 0 1 100 0 0 0 0 0 0\nbtime {btime}\n")
+        self.roots = Roots.under(self.base)
+
+    def add(self, pid: int, *, comm: str = "job", state: str = "S", ppid: int = 1,
+            start_ticks: int = 1000, cmdline: tuple[str, ...] = ("job",),
+            tids: tuple[int, ...] = (),
+            utime: int = 0, stime: int = 0, ctx: tuple[int, int] = (1, 1), rchar: int = 0,
+            wchan: str = "do_wait", syscall: str = "61 0x1 0x2 0x3 0x4 0x5 0x6 0x7 0x8",
+            exit_code: int = 0) -> None:
+        d = self.proc / str(pid)
+        if d.exists():
+            shutil.rmtree(d)
+        (d / "fd").mkdir(parents=True)
+        (d / "cmdline").write_bytes(b"".join(a.encode() + b"\0" for a in cmdline))
+        (d / "io").write_text(f"rchar: {rchar}\nwchar: 0\nsyscr: 0\nsyscw: 0\nread_bytes: 0\n"
+                              "write_bytes: 0\ncancelled_write_bytes: 0\n")
+        for tid in (pid, *tids):
+            t = d / "task" / str(tid)
+            t.mkdir(parents=True)
+            for target in (t, d) if tid == pid else (t,):
+                (target / "stat").write_text(self.stat_line(
+                    tid, comm, state, ppid, pid, utime, stime, 1 + len(tids), start_ticks,
+                    exit_code))
+                (target / "status").write_text(
+                    f"Name:\t{comm}\nState:\t{state}\nTgid:\t{pid}\nPid:\t{tid}\nPPid:\t{ppid}\n"
+                    f"Uid:\t0\t0\t0\t0\nVmRSS:\t    1024 kB\nThreads:\t{1 + len(tids)}\n"
+                    f"voluntary_ctxt_switches:\t{ctx[0]}\nnonvoluntary_ctxt_switches:\t{ctx[1]}\n")
+                (target / "wchan").write_text(wchan)
+                (target / "syscall").write_text(syscall + "\n")
+
+    def remove(self, pid: int) -> None:
+        shutil.rmtree(self.proc / str(pid))
+
+    @staticmethod
+    def stat_line(pid: int, comm: str, state: str, ppid: int, pgid: int, utime: int, stime: int,
+                  num_threads: int, start_ticks: int, exit_code: int = 0) -> str:
+        fields = ["0"] * 52  # fields 1..52 of proc(5), 0-based here
+        fields[0], fields[1], fields[2] = str(pid), f"({comm})", state
+        fields[3], fields[4], fields[5] = str(ppid), str(pgid), str(pgid)
+        fields[13], fields[14], fields[19] = str(utime), str(stime), str(num_threads)
+        fields[21], fields[51] = str(start_ticks), str(exit_code)
+        return " ".join(fields) + "\n"

@@ -1,0 +1,401 @@
+"""The processes probe on real processes in real kernel states (R, S, T, Z, D), read back through
+/proc, with an injected clock for the durations; and on fake /proc trees (rigs.FakeProc) where
+pids must vanish and be reused on cue.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+from rigs import (FakeProc, frozen_ext4, loop_ext4, root,  # noqa: F401 (root is a fixture)
+                  spawn_in_state, spawned, wait_for_state, wait_until)
+
+from stallwatch.clock import FakeClock
+from stallwatch.probes.processes import ProcessesObs, ProcessesProbe
+from stallwatch.targets import Target
+
+
+def only(obs: ProcessesObs, pid: int):
+    (p,) = [p for p in obs.processes if p.pid == pid]
+    return p
+
+
+def cpu_ticks(pid: int) -> int:
+    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return int(f[11]) + int(f[12])
+
+
+# ------------------------------------------------------------------------------ real states
+
+
+def test_r_busy_loop():
+    clock = FakeClock()
+    with spawn_in_state("R") as proc:
+        probe = ProcessesProbe(Target(pids=(proc.pid,)), clock=clock)
+        probe.collect()
+        before = cpu_ticks(proc.pid)
+        wait_until(lambda: cpu_ticks(proc.pid) >= before + 2, what="the loop to burn 2 ticks")
+        clock.advance(1.0)
+        p = only(probe.collect(), proc.pid)
+    assert p.state == "R" and p.role == "target"
+    assert p.cpu_delta_s >= 0.02 and p.cpu_util == pytest.approx(p.cpu_delta_s)
+    (t,) = p.threads
+    assert t.state == "R" and t.wchan is None and t.syscall is None and t.stack is None
+    assert t.d_state_for_s == 0.0
+
+
+def test_s_deadlock_is_asleep_with_no_context_switches():
+    clock = FakeClock()
+    with spawn_in_state("S") as proc:
+        probe = ProcessesProbe(Target(pids=(proc.pid,)), clock=clock)
+        probe.collect()
+        clock.advance(30.0)
+        p = only(probe.collect(), proc.pid)
+    assert p.state == "S" and len(p.threads) == 3 and p.num_threads == 3
+    for t in p.threads:
+        assert t.state == "S" and t.syscall == "futex", t
+        assert t.ctx_unchanged_for_s == 30.0 and t.state_since_s == 30.0 and t.d_state_for_s == 0.0
+        assert t.wchan  # e.g. futex_wait_queue or futex_do_wait, depending on the kernel
+    assert p.ctx_unchanged_for_s == 30.0 and p.cpu_delta_s == 0.0 and p.tracked_for_s == 30.0
+    assert p.io_unchanged_for_s == 30.0
+
+
+def test_t_stopped():
+    with spawn_in_state("T") as proc:
+        p = only(ProcessesProbe(Target(pids=(proc.pid,))).collect(), proc.pid)
+    assert p.state == "T" and p.wchan == "do_signal_stop"
+    assert p.cmdline == "sleep 1000" and p.comm == "sleep"
+
+
+def test_z_unreaped_child_then_reaped():
+    clock = FakeClock()
+    with spawn_in_state("Z", argv=["sh", "-c", "exit 3"]) as proc:
+        probe = ProcessesProbe(Target(pids=(proc.pid,)), clock=clock)
+        obs = probe.collect()
+        p = only(obs, proc.pid)
+        assert p.state == "Z" and obs.zombies == (proc.pid,) and p.exit_code == 3
+        assert p.argv == () and p.rss_bytes is None
+    clock.advance(2.0)
+    obs = probe.collect()
+    assert obs.targets == () and obs.processes == ()
+    (ex,) = obs.exited
+    assert (ex.pid, ex.start_ticks, ex.role) == (proc.pid, p.start_ticks, "target")
+    assert (ex.returncode, ex.returncode_source, ex.last_state) == (3, "zombie", "Z")
+    probe.note_exit(proc.pid, p.start_ticks, 3)  # what the supervisor's waitpid said
+    clock.advance(5.0)
+    (ex,) = probe.collect().exited
+    assert (ex.returncode, ex.returncode_source, ex.exited_for_s) == (3, "waitpid", 5.0)
+
+
+@pytest.mark.root
+def test_d_open_on_frozen_ext4(root):
+    clock = FakeClock()
+    with frozen_ext4() as (mnt, dev), spawn_in_state("D", where=mnt) as proc:
+        probe = ProcessesProbe(Target(pids=(proc.pid,)), clock=clock)
+        assert only(probe.collect(), proc.pid).d_state_for_s == 0.0
+        clock.advance(7.5)
+        p = only(probe.collect(), proc.pid)
+        clock.advance(100.0)
+        later = only(probe.collect(), proc.pid)
+    assert p.state == "D" and p.wchan == "percpu_rwsem_wait"
+    (t,) = p.threads
+    assert t.syscall == "openat" and t.stack[:2] == ("percpu_rwsem_wait", "mnt_want_write")
+    assert p.d_state_for_s == t.d_state_for_s == t.ctx_unchanged_for_s == 7.5
+    assert later.d_state_for_s == 107.5 and later.io_unchanged_for_s == 107.5
+
+
+WRITER = r"""
+import os, sys
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT)
+sys.stdin.readline()
+os.write(fd, b"data")
+"""
+
+
+@pytest.mark.root
+def test_d_write_on_frozen_ext4_names_the_file(root):
+    # Opened before the freeze, written after: blocked in write(), on a file we can name.
+    clock = FakeClock()
+    with loop_ext4() as fs, spawned([sys.executable, "-c", WRITER, str(fs.mnt / "out.ckpt")],
+                                    stdin=subprocess.PIPE) as proc:
+        wait_until(lambda: os.path.exists(fs.mnt / "out.ckpt"), what="the writer to open its file")
+        fs.freeze()
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        wait_for_state(proc.pid, "D")
+        probe = ProcessesProbe(Target(pids=(proc.pid,)), clock=clock)
+        probe.collect()
+        clock.advance(3.0)
+        p = only(probe.collect(), proc.pid)
+    (t,) = p.threads
+    assert (t.state, t.syscall, t.syscall_fd) == ("D", "write", 3)
+    assert t.syscall_file == str(fs.mnt / "out.ckpt") and t.d_state_for_s == 3.0
+    (f,) = [f for f in p.open_files if f.fd == 3]
+    assert f.write is True and f.path == str(fs.mnt / "out.ckpt")
+
+
+# ------------------------------------------------------------------------ trees and sockets
+
+
+ZOMBIE_PARENT = r"""
+import os, sys, time
+child = os.fork()
+if child == 0:
+    os._exit(3)
+print(child, flush=True)
+sys.stdin.read()
+os.waitpid(child, 0)
+"""
+
+
+def test_tree_with_a_zombie_child_reports_its_exit():
+    with spawned([sys.executable, "-c", ZOMBIE_PARENT], stdin=subprocess.PIPE,
+                 stdout=subprocess.PIPE) as parent:
+        child = int(parent.stdout.readline())
+        wait_for_state(child, "Z")
+        probe = ProcessesProbe(Target(pids=(parent.pid,)))
+        obs = probe.collect()
+        assert [p.pid for p in obs.processes] == [parent.pid, child]
+        assert [p.role for p in obs.processes] == ["target", "descendant"]
+        assert obs.zombies == (child,) and only(obs, child).exit_code == 3
+        parent.stdin.close()  # it reaps the zombie, then exits (a zombie of ours until Popen waits)
+        wait_until(lambda: not os.path.exists(f"/proc/{child}"), what="the child to be reaped")
+        obs = probe.collect()
+    (ex,) = [e for e in obs.exited if e.pid == child]
+    assert (ex.role, ex.returncode, ex.returncode_source) == ("descendant", 3, "zombie")
+
+
+CLIENT = r"""
+import socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+s.recv(1)
+"""
+
+
+def test_client_thread_waiting_on_a_socket_to_the_server_port():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        with spawned([sys.executable, "-c", CLIENT, str(port)]) as client:
+            conn, _ = server.accept()
+            with conn:
+                wait_until(lambda: open(f"/proc/{client.pid}/wchan").read() not in ("", "0"),
+                           what="the client to block in recv")
+                p = only(ProcessesProbe(Target(pids=(client.pid,))).collect(), client.pid)
+    (t,) = p.threads
+    (s,) = p.tcp
+    assert (t.syscall, t.syscall_fd) == ("recvfrom", s.fd)
+    assert t.syscall_file.startswith("socket:[")
+    assert (s.remote_addr, s.remote_port, s.state) == ("127.0.0.1", port, "ESTABLISHED")
+
+
+def test_match_finds_the_job_but_never_stallwatch_itself():
+    marker = f"sw-job-{uuid.uuid4().hex[:8]}"
+    with spawned(["bash", "-c", f'exec -a "{marker} worker" sleep 1000']) as proc:
+        cmdline = f"/proc/{proc.pid}/cmdline"
+        wait_until(lambda: open(cmdline, "rb").read().startswith(marker.encode()),
+                   what="exec -a to take effect")
+        obs = ProcessesProbe(Target(match=marker)).collect()
+        assert obs.targets == (proc.pid,)
+        assert only(obs, proc.pid).argv == (f"{marker} worker", "1000")
+    # Our own command line matches "pytest|python": we and our ancestors are never the job.
+    obs = ProcessesProbe(Target(match=r"pytest|python")).collect()
+    assert os.getpid() not in obs.targets and os.getppid() not in obs.targets
+
+
+# ------------------------------------------------------------------------ fake /proc trees
+
+
+@pytest.fixture
+def fake(tmp_path) -> FakeProc:
+    return FakeProc(tmp_path)
+
+
+def fake_probe(fake: FakeProc, clock: FakeClock, **kw) -> ProcessesProbe:
+    kw.setdefault("targets", Target(pids=(100,)))
+    return ProcessesProbe(roots=fake.roots, clock=clock, self_pid=None, clk_tck=100, **kw)
+
+
+def test_reused_pid_is_reported_exited_not_as_the_job(fake):
+    clock = FakeClock()
+    fake.add(100, comm="extract", start_ticks=5000, cmdline=("python", "extract.py"))
+    probe = fake_probe(fake, clock)
+    assert probe.collect().targets == (100,)
+    fake.add(100, comm="bash", start_ticks=9000, cmdline=("bash",))  # died; its pid reused
+    clock.advance(1.0)
+    obs = probe.collect()
+    assert obs.targets == () and obs.processes == () and obs.reused == (100,)
+    (ex,) = obs.exited
+    assert (ex.pid, ex.start_ticks, ex.comm, ex.returncode) == (100, 5000, "extract", None)
+    assert ex.cmdline == "python extract.py" and ex.start_time == 1_700_000_000 + 50.0
+
+
+def test_pid_absent_at_first_look_is_missing_and_never_adopted_later(fake):
+    clock = FakeClock()
+    probe = fake_probe(fake, clock)
+    assert probe.collect().missing == (100,)
+    fake.add(100)
+    obs = probe.collect()
+    assert obs.missing == (100,) and obs.targets == () and obs.processes == ()
+
+
+def test_pinned_start_time_refuses_an_impostor_and_reports_the_exit(fake):
+    fake.add(100, start_ticks=777)
+    obs = fake_probe(fake, FakeClock(), known_starts={100: 555}).collect()
+    assert obs.targets == () and obs.reused == (100,)
+    assert [(e.pid, e.start_ticks, e.role) for e in obs.exited] == [(100, 555, "target")]
+
+
+def test_vanished_target_and_note_exit_with_signal(fake):
+    clock = FakeClock()
+    fake.add(100, start_ticks=10)
+    probe = fake_probe(fake, clock)
+    probe.collect()
+    fake.remove(100)
+    probe.note_exit(100, 10, -9)  # the supervisor reaped it before our next tick
+    (ex,) = probe.collect().exited
+    assert (ex.returncode, ex.returncode_source, ex.last_state) == (-9, "waitpid", "S")
+
+
+def test_note_exit_for_a_process_never_seen(fake):
+    probe = fake_probe(fake, FakeClock())
+    probe.note_exit(100, 42, 1)
+    (ex,) = probe.collect().exited
+    assert (ex.pid, ex.start_ticks, ex.role, ex.returncode) == (100, 42, "target", 1)
+
+
+def test_durations_follow_the_injected_clock(fake):
+    clock = FakeClock()
+    fake.add(100, state="D", ctx=(5, 1), rchar=10, utime=100, tids=(101,))
+    probe = fake_probe(fake, clock)
+    p = only(probe.collect(), 100)
+    assert p.d_state_for_s == 0.0 and p.cpu_delta_s is None and p.cpu_util is None
+    clock.advance(10.0)
+    fake.add(100, state="D", ctx=(5, 1), rchar=10, utime=150, tids=(101,))
+    p = only(probe.collect(), 100)
+    assert p.d_state_for_s == p.ctx_unchanged_for_s == p.io_unchanged_for_s == 10.0
+    assert p.cpu_delta_s == 0.5 and p.cpu_util == pytest.approx(0.05)
+    clock.advance(5.0)
+    fake.add(100, state="S", ctx=(6, 1), rchar=11, utime=150, tids=(101,))  # woke up, did I/O
+    p = only(probe.collect(), 100)
+    assert p.d_state_for_s == 0.0 and p.state_since_s == 0.0
+    assert p.ctx_unchanged_for_s == 0.0 and p.io_unchanged_for_s == 0.0 and p.tracked_for_s == 15.0
+    assert [t.tid for t in p.threads] == [100, 101]
+
+
+def test_orphaned_descendant_stays_in_the_tree(fake):
+    clock = FakeClock()
+    fake.add(100, start_ticks=10)
+    fake.add(200, ppid=100, start_ticks=20, comm="worker")
+    probe = fake_probe(fake, clock)
+    assert [p.pid for p in probe.collect().processes] == [100, 200]
+    fake.remove(100)
+    fake.add(200, ppid=1, start_ticks=20, comm="worker")  # reparented to init
+    obs = probe.collect()
+    assert [p.pid for p in obs.processes] == [200] and obs.processes[0].role == "descendant"
+    assert [e.pid for e in obs.exited] == [100]
+
+
+def test_descendant_exits_fade_target_exits_stay(fake):
+    clock = FakeClock()
+    fake.add(100, start_ticks=10)
+    fake.add(200, ppid=100, start_ticks=20)
+    probe = fake_probe(fake, clock, exit_memory_s=60.0)
+    probe.collect()
+    fake.remove(200)
+    assert [e.pid for e in probe.collect().exited] == [200]
+    clock.advance(61.0)
+    fake.remove(100)
+    assert [e.pid for e in probe.collect().exited] == [100]
+    clock.advance(1000.0)
+    assert [e.pid for e in probe.collect().exited] == [100]
+
+
+def test_match_on_fake_tree_is_sticky_for_the_identity(fake):
+    fake.add(300, cmdline=("python", "extract.py", "--out", "/data"))
+    fake.add(301, cmdline=("vim",))
+    clock = FakeClock()
+    probe = fake_probe(fake, clock, targets=Target(match=r"extract\.py"))
+    assert probe.collect().targets == (300,)
+    fake.add(300, cmdline=("retitled",))  # setproctitle: still the same process, still the job
+    assert probe.collect().targets == (300,)
+
+
+def test_serialises_to_json_and_back(fake):
+    fake.add(100, tids=(101, 102))
+    obs = fake_probe(fake, FakeClock()).collect()
+    assert ProcessesObs.model_validate_json(obs.model_dump_json()) == obs
+
+
+def test_a_socket_table_longer_than_a_page_is_read_whole():
+    # One read(2) of a seq file returns about a page; Roots must keep reading to EOF.
+    from stallwatch import procfs
+    from stallwatch.roots import Roots
+
+    listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(60)]
+    try:
+        inodes = {os.fstat(s.fileno()).st_ino for s in listeners}
+        path = Roots().pid_dir(os.getpid()) / "net" / "tcp"
+        table = procfs.parse_net_tcp(Roots().read_text(path))
+        assert inodes <= {s.inode for s in table}
+    finally:
+        for s in listeners:
+            s.close()
+
+
+DENIED = r"""
+import sys
+import time
+from stallwatch.probes.processes import ProcessesProbe
+from stallwatch.targets import Target
+print(ProcessesProbe(Target(pids=(int(sys.argv[1]),))).collect().model_dump_json())
+"""
+
+
+@pytest.mark.root
+def test_unprivileged_reader_gets_none_not_errors(root):
+    # Without capabilities, root may not ptrace a process holding more of them than it has.
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv (util-linux) to drop capabilities")
+    setpriv = ["setpriv", "--inh-caps=-all", "--bounding-set=-all"]
+    with spawn_in_state("S") as proc:
+        out = subprocess.run([*setpriv, sys.executable, "-c", DENIED, str(proc.pid)],
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    obs = ProcessesObs.model_validate_json(out.stdout)
+    p = only(obs, proc.pid)
+    assert {"stack", "io", "syscall", "fd"} <= set(obs.denied)
+    assert p.io is None and p.io_unchanged_for_s is None and p.num_fds is None and p.cwd is None
+    assert p.state == "S" and len(p.threads) == 3
+    assert all(t.stack is None and t.syscall is None for t in p.threads)
+
+
+def test_stallwatch_never_watches_itself_inside_the_job_tree(fake):
+    # `stallwatch diagnose --pid $$` from the job's shell: we are a descendant of the target.
+    fake.add(100, comm="bash")
+    fake.add(200, ppid=100, comm="stallwatch")
+    fake.add(300, ppid=200, comm="py-spy")
+    probe = ProcessesProbe(Target(pids=(100,)), roots=fake.roots, clock=FakeClock(), self_pid=200)
+    assert [p.pid for p in probe.collect().processes] == [100]
+
+
+def test_last_ran_age_reads_history_a_one_shot_cannot_watch():
+    """A deadlocked thread's last run time comes from the scheduler, so its age keeps growing
+    between two looks, while a busy loop is always 'just ran'."""
+    with spawn_in_state("S") as sleeper, spawn_in_state("R") as spinner:
+        probe = ProcessesProbe(Target(pids=(sleeper.pid, spinner.pid)))
+        first = only(probe.collect(), sleeper.pid)
+        t0 = time.monotonic()
+        wait_until(lambda: time.monotonic() - t0 >= 0.3, timeout=5)
+        obs = probe.collect()
+    second, busy = only(obs, sleeper.pid), only(obs, spinner.pid)
+    assert first.last_ran_age_s is not None and second.last_ran_age_s is not None
+    assert second.last_ran_age_s >= first.last_ran_age_s + 0.25
+    assert all(t.last_ran_age_s >= 0.25 for t in second.threads)
+    assert busy.last_ran_age_s == 0.0

@@ -1,0 +1,279 @@
+"""The /proc parsers on real files captured from a kernel (tests/fixtures/proc, made by
+tools/capture_proc_fixtures.py), and the processes probe reading that captured tree.
+
+pids.json says which captured pid plays which part: a server whose comm has spaces and
+parentheses, a client blocked in recvfrom on its connections to it, a writer in D on a frozen
+ext4, and a zombie with its parent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from stallwatch import procfs
+from stallwatch.probes.processes import ProcessesProbe
+from stallwatch.roots import Roots
+from stallwatch.syscalls_aarch64 import SYSCALLS as AARCH64
+from stallwatch.syscalls_x86_64 import SYSCALLS as X86_64
+from stallwatch.targets import Target
+
+FIXTURES = Path(__file__).parent / "fixtures"
+PROC = FIXTURES / "proc"
+PIDS: dict[str, int] = json.loads((PROC / "pids.json").read_text())
+
+
+def text(role: str, name: str, tid: int | None = None) -> str:
+    pid = PIDS[role]
+    d = PROC / str(pid) if tid is None else PROC / str(pid) / "task" / str(tid)
+    return (d / name).read_text()
+
+
+# -------------------------------------------------------------------------------------- stat
+
+
+def test_stat_comm_with_spaces_and_parentheses():
+    st = procfs.parse_stat(text("server", "stat"))
+    assert st.comm == "sw) srv (x"
+    assert st.pid == PIDS["server"] and st.state == "S"
+    assert st.num_threads == 1 and st.start_ticks > 0 and st.exit_code == 0
+
+
+@pytest.mark.parametrize("comm", ["a) b", ") R 1 2 3 (", "x)", "((", "spa ce"])
+def test_stat_splits_on_the_last_parenthesis(comm):
+    line = procfs.parse_stat(text("server", "stat"))
+    real = text("server", "stat").replace("(sw) srv (x)", f"({comm})")
+    st = procfs.parse_stat(real)
+    assert st.comm == comm and st.state == "S" and st.start_ticks == line.start_ticks
+
+
+def test_stat_rejects_garbage():
+    with pytest.raises(ValueError):
+        procfs.parse_stat("12 no parentheses here")
+
+
+def test_stat_of_a_zombie_carries_its_wait_status():
+    st = procfs.parse_stat(text("zombie", "stat"))
+    assert st.state == "Z" and st.ppid == PIDS["zombie_parent"]
+    assert procfs.decode_wait_status(st.exit_code) == 3
+
+
+def test_decode_wait_status_signal_is_negative():
+    assert procfs.decode_wait_status(9) == -9  # killed by SIGKILL
+    assert procfs.decode_wait_status(0x86) == -6  # SIGABRT with core dump flag
+    assert procfs.decode_wait_status(1 << 8) == 1
+
+
+# ---------------------------------------------------------------------------- status and io
+
+
+def test_status():
+    s = procfs.parse_status(text("client", "status"))
+    assert s.tgid == PIDS["client"] and s.threads == 2 and s.uid == 0
+    assert s.rss_bytes and s.rss_bytes % 1024 == 0
+    assert s.voluntary_ctxt_switches > 0
+
+
+def test_status_of_a_zombie_has_no_rss():
+    s = procfs.parse_status(text("zombie", "status"))
+    assert s.rss_bytes is None and s.ppid == PIDS["zombie_parent"]
+
+
+def test_io():
+    io = procfs.parse_io(text("client", "io"))
+    assert io.rchar > 0 and io.total >= io.rchar
+
+
+# --------------------------------------------------------------------- syscall, wchan, stack
+
+
+def test_syscall_of_the_frozen_writer_is_openat():
+    sc = procfs.parse_syscall(text("writer", "syscall"), X86_64)
+    assert (sc.name, sc.nr, sc.running) == ("openat", 257, False)
+    assert len(sc.args) == 6 and sc.args[0] == 0xFFFFFF9C  # AT_FDCWD as the kernel prints it
+
+
+def test_syscall_of_the_client_names_its_socket_fd():
+    links = {int(fd): os.readlink(PROC / str(PIDS["client"]) / "fd" / fd)
+             for fd in os.listdir(PROC / str(PIDS["client"]) / "fd")}
+    for tid in os.listdir(PROC / str(PIDS["client"]) / "task"):
+        sc = procfs.parse_syscall(text("client", "syscall", int(tid)), X86_64)
+        assert sc.name == "recvfrom"
+        assert links[sc.args[0]].startswith("socket:[")
+
+
+@pytest.mark.parametrize("line,expected", [
+    ("running\n", procfs.Syscall(running=True, nr=None, name=None)),
+    ("-1 0x7ffc0 0x7f00\n", procfs.Syscall(running=False, nr=-1, name=None)),
+    ("202 0x1 0x80 0x0 0x0 0x0 0x0 0x7ff 0x7f\n",
+     procfs.Syscall(running=False, nr=202, name="futex", args=(1, 0x80, 0, 0, 0, 0))),
+    ("9999 0x1 0x2 0x3 0x4 0x5 0x6 0x7 0x8\n",
+     procfs.Syscall(running=False, nr=9999, name=None, args=(1, 2, 3, 4, 5, 6))),
+])
+def test_syscall_forms(line, expected):
+    assert procfs.parse_syscall(line, X86_64) == expected
+
+
+def test_wchan():
+    assert procfs.parse_wchan(text("writer", "wchan")) == "percpu_rwsem_wait"
+    assert procfs.parse_wchan("0") is None and procfs.parse_wchan("") is None
+
+
+def test_stack_of_the_frozen_writer():
+    names = procfs.parse_stack(text("writer", "stack"))
+    assert names[:2] == ("percpu_rwsem_wait", "mnt_want_write")
+    assert "__x64_sys_openat" in names and all("+" not in n and "[" not in n for n in names)
+
+
+def test_stack_other_spellings():
+    raw = ("[<ffffffffc0a1b2c3>] nfs_wait_bit_killable+0x1f/0x90 [nfs]\n"
+           "[<0>] __wait_on_bit+0x40/0x110\n\n")
+    assert procfs.parse_stack(raw) == ("nfs_wait_bit_killable", "__wait_on_bit")
+    assert procfs.parse_stack("") == ()
+
+
+# ------------------------------------------------------------------------- cmdline and btime
+
+
+def test_cmdline_keeps_exec_a_name():
+    argv = procfs.parse_cmdline((PROC / str(PIDS["server"]) / "cmdline").read_bytes())
+    assert argv[0] == "sw fixture server" and argv[1] == "-c" and "prctl" in argv[2]
+
+
+def test_cmdline_empty_and_unterminated():
+    assert procfs.parse_cmdline(b"") == ()
+    assert procfs.parse_cmdline((PROC / str(PIDS["zombie"]) / "cmdline").read_bytes()) == ()
+    # Trailing NULs are padding more often than empty arguments (setproctitle fills with them).
+    assert procfs.parse_cmdline(b"python\0x.py\0\0\0") == ("python", "x.py")
+    assert procfs.parse_cmdline(b"a\0\0b\0") == ("a", "", "b")
+    assert procfs.parse_cmdline(b"retitled by setproctitle") == ("retitled by setproctitle",)
+
+
+def test_btime():
+    assert procfs.parse_btime((PROC / "stat").read_text()) > 1_600_000_000
+    with pytest.raises(ValueError):
+        procfs.parse_btime("cpu 1 2 3\n")
+
+
+# -------------------------------------------------------------------------------- sockets
+
+
+def listen_port(role: str, name: str) -> int:
+    inodes = procfs.socket_inodes({int(fd): os.readlink(PROC / str(PIDS[role]) / "fd" / fd)
+                                   for fd in os.listdir(PROC / str(PIDS[role]) / "fd")})
+    socks = procfs.parse_net_tcp(text(role, f"net/{name}"))
+    return next(s.local_port for s in socks if s.inode in inodes and s.state == "LISTEN")
+
+
+def test_net_tcp_client_connection_to_the_server():
+    v4 = listen_port("server", "tcp")
+    client_fds = {int(fd): os.readlink(PROC / str(PIDS["client"]) / "fd" / fd)
+                  for fd in os.listdir(PROC / str(PIDS["client"]) / "fd")}
+    inodes = procfs.socket_inodes(client_fds)
+    mine = [s for s in procfs.parse_net_tcp(text("client", "net/tcp")) if s.inode in inodes]
+    assert len(mine) == 1
+    s = mine[0]
+    assert (s.remote_addr, s.remote_port, s.state) == ("127.0.0.1", v4, "ESTABLISHED")
+    assert s.local_addr == "127.0.0.1" and s.local_port not in (0, v4)
+
+
+def test_net_tcp6():
+    v6 = listen_port("server", "tcp6")
+    socks = procfs.parse_net_tcp(text("client", "net/tcp6"))
+    listen = [s for s in socks if s.state == "LISTEN" and s.local_port == v6]
+    assert listen and listen[0].local_addr == "::1"
+    assert any(s.remote_port == v6 and s.state == "ESTABLISHED" for s in socks)
+
+
+def test_net_tcp_address_byte_order():
+    line = ("  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid"
+            "  timeout inode\n"
+            "   0: 0100007F:0050 0201A8C0:D431 01 0000000A:00000014 00:00000000 00000000  1000"
+            "        0 77 1\n")
+    (s,) = procfs.parse_net_tcp(line, byteorder="little")
+    assert (s.local_addr, s.local_port) == ("127.0.0.1", 80)
+    assert (s.remote_addr, s.remote_port) == ("192.168.1.2", 54321)
+    assert (s.tx_queue_bytes, s.rx_queue_bytes, s.uid, s.inode) == (10, 20, 1000, 77)
+    (b,) = procfs.parse_net_tcp(line.replace("0100007F", "7F000001"), byteorder="big")
+    assert b.local_addr == "127.0.0.1"
+
+
+def test_socket_inodes():
+    links = {0: "/dev/null", 3: "socket:[12345]", 4: "pipe:[9]", 7: "socket:[12345]",
+             9: "socket:[1]"}
+    assert procfs.socket_inodes(links) == {12345: 3, 1: 9}
+    assert procfs.socket_inode("anon_inode:[eventfd]") is None
+
+
+def test_fdinfo_flags():
+    pos, flags = procfs.parse_fdinfo("pos:\t4096\nflags:\t0100001\nmnt_id:\t24\nino:\t3\n")
+    assert pos == 4096 and procfs.opened_for_write(flags)
+    assert not procfs.opened_for_write(procfs.parse_fdinfo("pos:\t0\nflags:\t0100000\n")[1])
+    assert procfs.opened_for_write(os.O_RDWR | os.O_APPEND)
+
+
+# -------------------------------------------------------------------------- syscall tables
+
+
+def test_syscall_tables():
+    assert (X86_64[0], X86_64[1], X86_64[202], X86_64[257], X86_64[45]) == (
+        "read", "write", "futex", "openat", "recvfrom")
+    assert (AARCH64[63], AARCH64[64], AARCH64[98], AARCH64[56], AARCH64[79]) == (
+        "read", "write", "futex", "openat", "newfstatat")
+    assert "open" not in AARCH64.values()  # the generic table has only the *at variants
+
+
+def test_table_follows_the_machine():
+    import platform
+    expected = {"x86_64": X86_64, "aarch64": AARCH64}.get(platform.machine(), {})
+    assert procfs.SYSCALLS is expected or procfs.SYSCALLS == expected
+
+
+# ------------------------------------------------------ the probe on the captured tree
+
+
+def probe_for(role: str) -> ProcessesProbe:
+    return ProcessesProbe(Target(pids=(PIDS[role],)), roots=Roots.under(FIXTURES),
+                          syscall_table=X86_64, self_pid=None, clk_tck=100)
+
+
+def test_probe_reads_the_frozen_writer_from_fixtures():
+    obs = probe_for("writer").collect()
+    assert obs.targets == (PIDS["writer"],)
+    (p,) = obs.processes
+    assert (p.state, p.wchan, p.role, p.comm) == ("D", "percpu_rwsem_wait", "target", "sh")
+    (t,) = p.threads
+    assert t.syscall == "openat" and t.stack[:2] == ("percpu_rwsem_wait", "mnt_want_write")
+    btime = procfs.parse_btime((PROC / "stat").read_text())
+    assert p.start_time == pytest.approx(btime + p.start_ticks / 100)
+
+
+def test_probe_shows_the_client_waiting_on_its_socket_to_the_server():
+    (p,) = probe_for("client").collect().processes
+    v4, v6 = listen_port("server", "tcp"), listen_port("server", "tcp6")
+    by_fd = {s.fd: s for s in p.tcp}
+    assert {s.remote_port for s in p.tcp} == {v4, v6}
+    for t in p.threads:
+        assert t.syscall == "recvfrom" and t.syscall_file.startswith("socket:[")
+        assert by_fd[t.syscall_fd].state == "ESTABLISHED"
+    assert {by_fd[t.syscall_fd].remote_addr for t in p.threads} == {"127.0.0.1", "::1"}
+
+
+def test_probe_reads_the_zombie_and_its_parent():
+    obs = probe_for("zombie_parent").collect()
+    assert [p.pid for p in obs.processes] == [PIDS["zombie_parent"], PIDS["zombie"]]
+    z = obs.processes[1]
+    assert (z.role, z.state, z.exit_code, z.rss_bytes) == ("descendant", "Z", 3, None)
+    assert obs.zombies == (PIDS["zombie"],)
+
+
+def test_sched_exec_start_from_a_real_capture():
+    text = (FIXTURES / "sched" / "exec_start.txt").read_text()
+    v = procfs.parse_sched_exec_start_s(text)
+    want = float(next(l for l in text.splitlines() if l.startswith("se.exec_start")).split(":")[1])
+    assert v == pytest.approx(want / 1000.0)
+    assert procfs.parse_sched_exec_start_s("nr_switches : 3\n") is None
+    assert procfs.parse_uptime_s("917.16 1513.45\n") == 917.16
