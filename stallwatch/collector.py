@@ -1,0 +1,110 @@
+"""Builds the probes for one target and runs them once per tick into a frozen Snapshot.
+
+Every probe runs in a worker under a deadline (DeadlineRunner): /proc/PID/cmdline can block on a
+process stuck holding its mmap lock, NVML can hang in a wedged driver, and a log on a frozen
+filesystem blocks read(). A probe that fails or hangs becomes a ProbeReport, never a hung tick.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from stallwatch.clock import SYSTEM_CLOCK, Clock
+from stallwatch.probes.base import DeadlineRunner, ProbeReport, ProbeStatus
+from stallwatch.probes.disks import DisksProbe
+from stallwatch.probes.gpu import GpuProbe
+from stallwatch.probes.kmsg import KernelLogProbe
+from stallwatch.probes.logs import LogProbe
+from stallwatch.probes.outputs import OutputsProbe
+from stallwatch.probes.processes import ProcessesObs, ProcessesProbe
+from stallwatch.probes.server import ServerProbe
+from stallwatch.roots import DEFAULT_ROOTS, Roots
+from stallwatch.snapshot import Snapshot
+from stallwatch.targets import Target
+
+# GPU states that mean "nothing to see here" rather than "broken".
+_GPU_STATUS = {"no_library": ProbeStatus.absent, "no_driver": ProbeStatus.absent,
+               "no_permission": ProbeStatus.denied, "error": ProbeStatus.error}
+
+
+class Collector:
+    def __init__(
+        self,
+        target: Target,
+        *,
+        roots: Roots = DEFAULT_ROOTS,
+        clock: Clock = SYSTEM_CLOCK,
+        nvml=None,
+        gpu: bool = True,
+        kernel_history: bool = False,
+        deadline_s: float = 5.0,
+        use_inotify: bool = True,
+    ) -> None:
+        self.target = target
+        self.clock = clock
+        self.deadline_s = deadline_s
+        self.host = socket.gethostname()
+        self.runner = DeadlineRunner(clock)
+        self.processes = ProcessesProbe(target, roots=roots, clock=clock)
+        self.gpu = GpuProbe(nvml=nvml, clock=clock) if gpu else None
+        self.log = LogProbe(target.log, target.progress_regex, clock=clock) if target.log else None
+        self.outputs = (OutputsProbe(target.outputs, clock=clock, use_watchdog=use_inotify, roots=roots)
+                        if target.outputs else None)
+        self.server = ServerProbe(target.server, clock=clock) if target.server else None
+        self.kernel = KernelLogProbe(roots=roots, clock=clock, history=kernel_history)
+        self._static_paths = [str(p) for p in (target.log and Path(target.log).parent,
+                                               target.outputs) if p]
+        self.disks = DisksProbe(list(self._static_paths), roots=roots, clock=clock)
+
+    def note_exit(self, pid: int, start_ticks: int | None, returncode: int) -> None:
+        """The supervisor reaped its child: the probe reports the real exit status."""
+        self.processes.note_exit(pid, start_ticks, returncode)
+
+    def tick(self) -> Snapshot:
+        t0 = self.clock.monotonic()
+        first = [(p.name, p.collect, self.deadline_s) for p in
+                 (self.processes, self.gpu, self.log, self.outputs, self.server, self.kernel) if p]
+        results = dict(zip([c[0] for c in first], self.runner.call_many(first)))
+        procs: ProcessesObs | None = results["processes"][0]
+        # The filesystems that matter are those the job works in and writes to, known only now.
+        self.disks.paths = _disk_paths(self._static_paths, procs)
+        results["disks"] = self.runner.call("disks", self.disks.collect, self.deadline_s)
+
+        reports: list[ProbeReport] = []
+        values = {}
+        for name, (value, report) in results.items():
+            if name == "gpu" and value is not None and value.status in _GPU_STATUS:
+                report = report.model_copy(update={"status": _GPU_STATUS[value.status],
+                                                   "error": value.error or value.status})
+            reports.append(report)
+            values[name] = value
+        return Snapshot(
+            t_mono=t0, t_wall=self.clock.time(), host=self.host, target=self.target,
+            probes=tuple(reports), tick_duration_s=self.clock.monotonic() - t0,
+            processes=procs, gpu=values.get("gpu"), log=values.get("log"),
+            outputs=values.get("outputs"), disks=values.get("disks"), server=values.get("server"),
+            kernel=values.get("kmsg"),
+        )
+
+    def close(self) -> None:
+        for p in (self.gpu, self.outputs, self.kernel, self.server):
+            close = getattr(p, "close", None)
+            if close:
+                close()
+
+
+def _disk_paths(static: list[str], procs: ProcessesObs | None, limit: int = 16) -> list[str]:
+    """Paths whose filesystem matters: the log and outputs, the job's cwd, files it writes."""
+    paths = list(static)
+    for p in procs.processes if procs else ():
+        if p.cwd and p.cwd.startswith("/"):
+            paths.append(p.cwd)
+        for f in p.open_files:
+            if f.write and f.path.startswith("/") and not f.path.startswith(("/dev/", "/proc/")):
+                paths.append(os.path.dirname(f.path))
+    seen: dict[str, None] = {}
+    for p in paths:
+        seen.setdefault(os.path.normpath(p), None)
+    return list(seen)[:limit]

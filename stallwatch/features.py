@@ -1,0 +1,500 @@
+"""From one Snapshot to the variables the rules see: a pure function, so replays are exact.
+
+The probes already computed every duration (d_state_for_s, idle_s, ...) with the injected
+clock; here we only aggregate and name things so conditions stay short and stateless. Every
+top-level key is always present and unknown numbers are -1 with a `*_known` flag, because CEL
+raises on a missing key or a null in a comparison.
+
+Evidence lines need concrete things (pid, tid, wchan, file, mount, device), so the "worst"
+thread, socket or path is picked here and exposed as flat fields; per-thread lists are kept for
+`each` evidence.
+"""
+
+from __future__ import annotations
+
+import signal as _signal
+from typing import Any
+
+from stallwatch.probes.processes import ProcessObs, ThreadObs
+from stallwatch.snapshot import Snapshot
+
+# The job's own cadence is learned; these bound it. A job progressing every second is called
+# stalled STALL_FLOOR_S after its last progress (plus the rule's `for`), inside the contract's
+# 30 s. Peers (NVIDIA Resiliency Extension) use max interval × 5; we take the larger of 5 × p90
+# and 2 × max so one long checkpoint pause stretches the threshold without dominating it.
+STALL_FLOOR_S = 20.0
+STALL_CEILING_S = 4 * 3600.0
+STALL_DEFAULT_S = 120.0  # progress seen but no cadence learned yet
+CADENCE_P90_FACTOR = 5.0
+CADENCE_MAX_FACTOR = 2.0
+
+# How recent a sign of work must be to count as "working without log progress" (a checkpoint
+# write moves I/O counters and output files while the progress line stands still).
+ACTIVITY_WINDOW_S = 10.0
+RECENT_EVENT_S = 900.0  # kernel and Xid events older than this are history, not the present
+
+WAIT_SYSCALLS = {"recvfrom", "recvmsg", "recvmmsg", "read", "readv", "poll", "ppoll", "select",
+                 "pselect6", "epoll_wait", "epoll_pwait", "epoll_pwait2", "futex"}
+SOCKET_READ_SYSCALLS = {"recvfrom", "recvmsg", "recvmmsg", "read", "readv"}
+
+
+def stall_threshold_s(snap: Snapshot) -> tuple[float, str]:
+    log = snap.log
+    if log is None or log.progress is None:
+        return STALL_DEFAULT_S, "default (no progress seen)"
+    c = log.cadence_s
+    if c is None or c.samples == 0:
+        rate = log.tqdm_rate_per_s or log.rate_per_s
+        if rate and rate > 0:
+            t = max(STALL_FLOOR_S, CADENCE_P90_FACTOR * 2.0 / rate)
+            return min(t, STALL_CEILING_S), f"from the rate {rate:.3g}/s"
+        return STALL_DEFAULT_S, "default (cadence not learned yet)"
+    t = max(STALL_FLOOR_S, CADENCE_P90_FACTOR * c.p90_s, CADENCE_MAX_FACTOR * c.max_s)
+    return min(t, STALL_CEILING_S), f"5 × p90 {c.p90_s:.3g} s, 2 × max {c.max_s:.3g} s of {c.samples} intervals"
+
+
+def features(snap: Snapshot) -> dict[str, Any]:
+    procs = list(snap.processes.processes) if snap.processes else []
+    threads = [(p, t) for p in procs for t in p.threads]
+    threshold, threshold_why = stall_threshold_s(snap)
+    server_port = snap.server.port if snap.server else _port_of(snap.target.server)
+    v: dict[str, Any] = {
+        "now_wall": snap.t_wall,
+        "stall_threshold_s": threshold,
+        "stall_threshold_why": threshold_why,
+        "job": _job(snap, procs),
+        "proc": _proc(procs, threads),
+        "log": _log(snap),
+        "outputs": _outputs(snap),
+        "gpu": _gpu(snap, {p.pid for p in procs}),
+        "server": _server(snap),
+        "client": _client(procs, threads, server_port),
+        "disk": _disk(snap),
+        "kernel": _kernel(snap, procs),
+        "probes": {r.name: r.status.value for r in snap.probes},
+        "probe_errors": [f"{r.name}: {r.status.value}: {r.error}" for r in snap.probes
+                         if r.status.value not in ("ok", "absent") and r.error],
+    }
+    v["activity"] = _activity(v)
+    return v
+
+
+# ------------------------------------------------------------------------------------- the job
+
+def _job(snap: Snapshot, procs: list[ProcessObs]) -> dict[str, Any]:
+    po = snap.processes
+    targets = [p for p in procs if p.role == "target"]
+    live = [p for p in targets if p.state not in ("Z", "X")]
+    exits = [e for e in (po.exited if po else ()) if e.role == "target"]
+    zombies = [p for p in targets if p.state == "Z"]
+    # A pid the user named that no longer exists is a job that has exited: diagnose it from
+    # what outlives a process (the log, the kernel's OOM line, the outputs).
+    missing = list(po.missing) if po else []
+    main = targets[0] if targets else None
+    codes = [e.returncode for e in exits if e.returncode is not None]
+    codes += [p.exit_code for p in zombies if p.exit_code is not None]  # readable until reaped
+    ever_seen = bool(targets or exits or missing)
+    exited = ever_seen and not live
+    rc = None
+    if codes:
+        bad = [c for c in codes if c != 0]
+        rc = bad[0] if bad else 0
+    last = exits[-1] if exits else None
+    pid = main.pid if main else (last.pid if last else (missing[0] if missing else -1))
+    return {
+        "name": snap.target.name,
+        "seen": ever_seen,
+        "alive": bool(live),
+        "exited": exited,
+        "exit_known": rc is not None,
+        "exit_code": rc if rc is not None and rc >= 0 else -1,
+        "signal": -rc if rc is not None and rc < 0 else 0,
+        "signal_name": _signame(-rc) if rc is not None and rc < 0 else "",
+        "exited_for_s": last.exited_for_s if last else 0.0,
+        "exited_pids": [e.pid for e in exits] + missing,
+        "stopped": bool(live) and all(p.state in ("T", "t") for p in live),
+        "pid": pid,
+        "pids": [p.pid for p in procs],
+        "comm": main.comm if main else ((last.comm or "") if last else ("the job" if missing else "")),
+        "cmdline": main.cmdline if main else ((last.cmdline or "") if last else ""),
+        "missing": missing,
+        "reused": list(po.reused) if po else [],
+    }
+
+
+def _signame(n: int) -> str:
+    try:
+        return _signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
+
+
+# ----------------------------------------------------------------------------- processes/threads
+
+def _thread_dict(p: ProcessObs, t: ThreadObs) -> dict[str, Any]:
+    return {
+        "pid": p.pid, "tid": t.tid, "comm": t.comm, "state": t.state,
+        "d_state_for_s": t.d_state_for_s, "state_since_s": t.state_since_s,
+        "ctx_unchanged_for_s": t.ctx_unchanged_for_s,
+        "quiet_s": _quiet(t.ctx_unchanged_for_s, t.last_ran_age_s),
+        "wchan": t.wchan or "", "syscall": t.syscall or "", "file": t.syscall_file or "",
+        "stack": " ← ".join((t.stack or ())[:6]),
+    }
+
+
+def _quiet(ctx_unchanged_for_s: float, last_ran_age_s: float | None) -> float:
+    """How long the task has not run: what we watched, or what the scheduler remembers."""
+    return max(ctx_unchanged_for_s, last_ran_age_s or 0.0)
+
+
+def _proc(procs: list[ProcessObs], threads: list[tuple[ProcessObs, ThreadObs]]) -> dict[str, Any]:
+    states: dict[str, int] = {}
+    for _, t in threads:
+        states[t.state] = states.get(t.state, 0) + 1
+    d = [(p, t) for p, t in threads if t.state == "D"]
+    def stuck(pt: tuple[ProcessObs, ThreadObs]) -> float:
+        return _quiet(pt[1].ctx_unchanged_for_s, pt[1].last_ran_age_s)
+
+    worst = max(d, key=stuck, default=None)
+    io_known = [p.io_unchanged_for_s for p in procs if p.io_unchanged_for_s is not None]
+    cpu = [p.cpu_util for p in procs if p.cpu_util is not None]
+    live = [p for p in procs if p.state not in ("Z", "X")]
+    tracked = min((p.tracked_for_s for p in live), default=0.0)
+    # The tree is quiet when no thread of it has run: a lower bound from the scheduler works
+    # in a one-shot diagnosis, where we have watched for a few seconds only.
+    quiet = min((_quiet(p.ctx_unchanged_for_s, p.last_ran_age_s) for p in live), default=0.0)
+    main = next(((p, t) for p, t in threads if p.role == "target" and t.tid == p.pid), None)
+    return {
+        "count": len(procs),
+        "threads": len(threads),
+        "states": states,
+        "states_text": ", ".join(f"{n} {s}" for s, n in sorted(states.items(), key=lambda kv: -kv[1])),
+        "main": _thread_dict(*main) if main else _thread_dict_empty(),
+        "running": states.get("R", 0),
+        "d_threads": len(d),
+        "d_max_s": worst[1].d_state_for_s if worst else 0.0,
+        "d": _thread_dict(*worst) if worst else _thread_dict_empty(),
+        "d_list": [_thread_dict(p, t) for p, t in sorted(d, key=stuck, reverse=True)],
+        "d_stuck_s": max((min(t.d_state_for_s, t.ctx_unchanged_for_s) for _, t in d), default=0.0),
+        # A thread in D does not run: the scheduler's last-run age is how long it has been stuck,
+        # even before we started watching.
+        "d_quiet_s": stuck(worst) if worst else 0.0,
+        "io_known": bool(io_known),
+        "io_unchanged_s": min(io_known) if io_known else -1.0,
+        "cpu_util": sum(cpu),
+        "cpu_known": bool(cpu),
+        "quiet_s": quiet,
+        "tracked_s": tracked,
+        "rss_bytes": sum(p.rss_bytes or 0 for p in procs),
+        "list": [{"pid": p.pid, "ppid": p.ppid, "state": p.state, "comm": p.comm,
+                  "wchan": p.wchan or "", "threads": p.num_threads, "role": p.role}
+                 for p in procs],
+    }
+
+
+def _thread_dict_empty() -> dict[str, Any]:
+    return {"pid": -1, "tid": -1, "comm": "", "state": "", "d_state_for_s": 0.0,
+            "state_since_s": 0.0, "ctx_unchanged_for_s": 0.0, "quiet_s": 0.0, "wchan": "",
+            "syscall": "", "file": "", "stack": ""}
+
+
+# -------------------------------------------------------------------------------- log, outputs
+
+def _log(snap: Snapshot) -> dict[str, Any]:
+    log = snap.log
+    present = log is not None and log.status.value == "ok"
+    pr = log.progress if log else None
+    tb = log.traceback if log else None
+    fatal = log.fatal if log else ()
+    total = pr.total if pr and pr.total else None
+    return {
+        "configured": log is not None,
+        "present": present,
+        "path": log.path if log else "",
+        "status": log.status.value if log else "absent",
+        "has_progress": pr is not None,
+        "done": float(pr.done) if pr else -1.0,
+        "total": float(total) if total else -1.0,
+        "total_known": total is not None,
+        "complete": bool(pr and total and pr.done >= total),
+        "fraction": float(pr.done) / total if pr and total else -1.0,
+        "idle_s": log.idle_s if log and log.idle_s is not None else -1.0,
+        "idle_known": bool(log and log.idle_s is not None),
+        "idle_source": (log.idle_source or "") if log else "",
+        "growth_age_s": log.last_growth_age_s if log and log.last_growth_age_s is not None else -1.0,
+        "cadence_p90_s": log.cadence_s.p90_s if log and log.cadence_s else -1.0,
+        "cadence_max_s": log.cadence_s.max_s if log and log.cadence_s else -1.0,
+        "rate_per_s": (log.rate_per_s if log and log.rate_per_s is not None else
+                       (log.tqdm_rate_per_s if log and log.tqdm_rate_per_s is not None else -1.0)),
+        "long_rate_per_s": _long_rate(pr),
+        "eta_s": log.eta_s if log and log.eta_s is not None else -1.0,
+        "last_line": (log.tail[-1] if log and log.tail else ""),
+        "traceback": tb is not None,
+        "exception": _exception_text(tb),
+        "fatal": bool(fatal),
+        "fatal_line": fatal[-1].line if fatal else "",
+        "fatal_kind": fatal[-1].kind if fatal else "",
+    }
+
+
+def _long_rate(pr) -> float:
+    """The job's average rate since it started, from tqdm's own elapsed time when it has one."""
+    if pr is not None and pr.elapsed_s and pr.elapsed_s > 0:
+        return float(pr.done) / pr.elapsed_s
+    return -1.0
+
+
+def _exception_text(tb) -> str:
+    if tb is None:
+        return ""
+    return tb.exception or (tb.lines[-1] if tb.lines else "traceback")
+
+
+def _outputs(snap: Snapshot) -> dict[str, Any]:
+    o = snap.outputs
+    ok = o is not None and o.status.value == "ok"
+    return {
+        "configured": o is not None,
+        "present": ok,
+        "path": o.path if o else "",
+        "files": float(o.file_count) if ok else -1.0,
+        "bytes": float(o.total_bytes) if ok else -1.0,
+        "change_age_s": o.last_change_age_s if ok and o.last_change_age_s is not None else -1.0,
+        "newest": o.newest.path if ok and o.newest else "",
+        "mean_file_bytes": float(o.total_bytes) / o.file_count if ok and o.file_count else -1.0,
+    }
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+def _gpu(snap: Snapshot, job_pids: set[int]) -> dict[str, Any]:
+    g = snap.gpu
+    devs = list(g.devices) if g and g.status == "ok" else []
+    utils = [d.util_gpu_pct for d in devs if isinstance(d.util_gpu_pct, (int, float))]
+    job_mem = 0
+    job_gpus: set[int] = set()
+    for d in devs:
+        for pr in d.processes or ():
+            if pr.pid in job_pids:
+                job_mem += pr.used_bytes or 0
+                job_gpus.add(d.index)
+    xids = [e for e in (g.xid_events if g else ()) if snap.t_wall - e.wall_time < RECENT_EVENT_S]
+    lost = [d.index for d in devs if d.lost]
+    ecc = [d.index for d in devs if (d.ecc_volatile_uncorrected or 0) > 0]
+    return {
+        "present": bool(devs),
+        "status": g.status if g else "absent",
+        "count": len(devs),
+        "util_max_pct": max(utils) if utils else -1.0,
+        "util_mean_pct": sum(utils) / len(utils) if utils else -1.0,
+        "mem_used_bytes": float(sum(d.mem_used_bytes or 0 for d in devs)),
+        "job_mem_bytes": float(job_mem),
+        "job_mem_h": human_bytes(job_mem),
+        "job_gpus": sorted(job_gpus),
+        "lost": lost,
+        "ecc_uncorrected_gpus": ecc,
+        "xid_recent": [{"gpu": e.gpu_index, "xid": e.xid if e.xid is not None else -1, "kind": e.kind}
+                       for e in xids],
+        "list": [{"index": d.index, "name": d.name or "", "util_pct": d.util_gpu_pct
+                  if isinstance(d.util_gpu_pct, (int, float)) else -1.0,
+                  "mem_used_bytes": float(d.mem_used_bytes or 0),
+                  "mem_used_h": human_bytes(d.mem_used_bytes or 0),
+                  "mem_total_bytes": float(d.mem_total_bytes or 0),
+                  "pids": [pr.pid for pr in d.processes or ()]} for d in devs],
+    }
+
+
+# ------------------------------------------------------------------------------ server, client
+
+def _server(snap: Snapshot) -> dict[str, Any]:
+    s = snap.server
+    h = s.health if s else None
+    info = s.server_info if s else None
+    m = s.metrics if s else None
+    rates = m.rates_per_s if m and m.ok else {}
+    gauges = m.gauges if m and m.ok else {}
+    gen = rates.get("sglang:generation_tokens_total")
+    prompt = rates.get("sglang:prompt_tokens_total")
+    return {
+        "configured": s is not None,
+        "url": s.base_url if s else "",
+        "port": float(s.port) if s else -1.0,
+        "reachable": bool(s and s.reachable),
+        "unreachable": bool(s and s.reachable is False),
+        "error": (s.error or "") if s else "",
+        "health_known": bool(h and h.ok is not None),
+        "health_ok": bool(h and h.ok),
+        "health_failed": bool(h and h.ok is False),
+        "health_overdue": bool(h and h.overdue),
+        "health_in_flight_s": (h.in_flight_for_s or 0.0) if h else 0.0,
+        "health_status": float(h.status_code) if h and h.status_code else -1.0,
+        "info_overdue": bool(info and (info.overdue or info.timed_out)),
+        "metrics_ok": bool(m and m.ok),
+        "gen_tokens_per_s": gen if gen is not None else -1.0,
+        "prompt_tokens_per_s": prompt if prompt is not None else -1.0,
+        "progress_unchanged_s": (m.progress_unchanged_for_s if m and m.progress_unchanged_for_s
+                                 is not None else -1.0),
+        "running_reqs": gauges.get("sglang:num_running_reqs", -1.0),
+        "queue_reqs": gauges.get("sglang:num_queue_reqs", -1.0),
+        "gauges_possibly_stale": bool(m and m.gauges_possibly_stale),
+    }
+
+
+def _client(procs: list[ProcessObs], threads: list[tuple[ProcessObs, ThreadObs]],
+            port: int | None) -> dict[str, Any]:
+    """Is the job waiting on the server? A thread blocked reading a socket to its port is proof;
+    an open connection to it while every thread sleeps in poll/epoll is strong circumstance."""
+    out = {"connected": False, "waiting": False, "how": "", "pid": -1, "tid": -1, "syscall": "",
+           "remote": "", "quiet_s": 0.0}
+    if port is None:
+        return out
+    by_fd: dict[tuple[int, int], str] = {}
+    for p in procs:
+        for s in p.tcp:
+            if s.remote_port == port and s.state == "ESTABLISHED":
+                by_fd[(p.pid, s.fd)] = f"{s.remote_addr}:{s.remote_port}"
+    if not by_fd:
+        return out
+    out["connected"] = True
+    for p, t in threads:
+        if t.syscall in SOCKET_READ_SYSCALLS and (p.pid, t.syscall_fd) in by_fd:
+            out.update(waiting=True, how="blocked reading the server socket", pid=p.pid, tid=t.tid,
+                       syscall=t.syscall, remote=by_fd[(p.pid, t.syscall_fd)],
+                       quiet_s=_quiet(t.ctx_unchanged_for_s, t.last_ran_age_s))
+            return out
+    connected = [p for p in procs if any(k[0] == p.pid for k in by_fd)]
+    sleeping = [t for p in connected for t in p.threads]
+    if sleeping and all(t.state == "S" and (t.syscall or "") in WAIT_SYSCALLS for t in sleeping):
+        p = connected[0]
+        t = p.threads[0]
+        out.update(waiting=True, how="connected to the server, every thread asleep in a wait",
+                   pid=p.pid, tid=t.tid, syscall=t.syscall or "",
+                   remote=next(v for k, v in by_fd.items() if k[0] == p.pid),
+                   quiet_s=min(_quiet(t.ctx_unchanged_for_s, t.last_ran_age_s) for t in sleeping))
+    return out
+
+
+def _port_of(url: str | None) -> int | None:
+    if not url:
+        return None
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(url)
+        return u.port or (443 if u.scheme == "https" else 80)
+    except ValueError:
+        return None
+
+
+# ----------------------------------------------------------------------------------- disk, kernel
+
+def _disk(snap: Snapshot) -> dict[str, Any]:
+    d = snap.disks
+    paths = [p for p in (d.paths if d else ()) if p.kind == "path"]
+    shm = next((p for p in (d.paths if d else ()) if p.kind == "dev_shm"), None)
+    known = [p for p in paths if p.free_bytes is not None and p.total_bytes]
+    tight = min(known, key=lambda p: p.free_bytes, default=None)
+    tight_inodes = min((p for p in paths if p.free_inodes is not None and p.total_inodes),
+                       key=lambda p: p.free_inodes, default=None)
+    stuck = [p for p in paths if p.status.value in ("timeout", "busy")]
+    job_devs = {p.device.name for p in paths if p.device} | {
+        p.device.parent_disk for p in paths if p.device and p.device.parent_disk}
+    devs = [x for x in (d.devices if d else ()) if x.name in job_devs] or list(d.devices if d else ())
+    worst_dev = max(devs, key=lambda x: x.inflight_stuck_for_s, default=None)
+    return {
+        "known": bool(known),
+        "free_bytes": float(tight.free_bytes) if tight else -1.0,
+        "free_h": human_bytes(tight.free_bytes) if tight else "",
+        "total_bytes": float(tight.total_bytes) if tight else -1.0,
+        "used_pct": tight.used_pct if tight and tight.used_pct is not None else -1.0,
+        "path": tight.path if tight else "",
+        "mount": tight.mount.mount_point if tight and tight.mount else "",
+        "device": _devname(tight),
+        "fstype": tight.mount.fs_type if tight and tight.mount else "",
+        "free_inodes": float(tight_inodes.free_inodes) if tight_inodes else -1.0,
+        "inodes_used_pct": (tight_inodes.inodes_used_pct if tight_inodes and
+                            tight_inodes.inodes_used_pct is not None else -1.0),
+        "inodes_path": tight_inodes.path if tight_inodes else "",
+        "stuck": bool(stuck),
+        "stuck_path": stuck[0].path if stuck else "",
+        "stuck_detail": (stuck[0].detail or "") if stuck else "",
+        "stuck_for_s": max((p.stuck_for_s or 0.0 for p in stuck), default=0.0),
+        "inflight_stuck_s": worst_dev.inflight_stuck_for_s if worst_dev else 0.0,
+        "inflight_device": worst_dev.name if worst_dev else "",
+        "inflight_ios": float(worst_dev.inflight_ios) if worst_dev else 0.0,
+        "write_bytes_per_s": (worst_dev.write_bytes_per_s or 0.0) if worst_dev else 0.0,
+        "shm_free_bytes": float(shm.free_bytes) if shm and shm.free_bytes is not None else -1.0,
+        "shm_used_pct": shm.used_pct if shm and shm.used_pct is not None else -1.0,
+        "shm_sgl_segments": float(shm.sgl_shm_segments or 0) if shm else 0.0,
+        "paths": [{"path": p.path, "mount": p.mount.mount_point if p.mount else "",
+                   "device": _devname(p), "status": p.status.value, "detail": p.detail or ""}
+                  for p in paths],
+    }
+
+
+def _devname(p) -> str:
+    if p is None or p.device is None:
+        return p.mount.source if p is not None and p.mount else ""
+    dev = p.device
+    name = f"/dev/{dev.name}"
+    if dev.parent_disk:
+        name += f" (on {dev.parent_disk})"
+    if dev.dm_name:
+        name += f" ({dev.dm_name})"
+    return f"{name} backed by {dev.loop_backing_file}" if dev.loop_backing_file else name
+
+
+def _kernel(snap: Snapshot, procs: list[ProcessObs]) -> dict[str, Any]:
+    k = snap.kernel
+    events = [e for e in (k.events if k else ())
+              if e.wall_time is None or snap.t_wall - e.wall_time < RECENT_EVENT_S]
+    job_pids = {p.pid for p in procs}
+    if snap.processes:
+        job_pids |= {e.pid for e in snap.processes.exited}
+    job_pids |= set(snap.target.pids)
+    ooms = [e for e in events if e.kind == "oom_kill"]
+    job_oom = next((e for e in reversed(ooms) if e.pid in job_pids), None)
+    hung = [e for e in events if e.kind == "hung_task" and e.pid in job_pids]
+    xids = [e for e in events if e.kind == "gpu_xid"]
+    ioerr = [e for e in events if e.kind in ("block_io_error", "fs_error")]
+    return {
+        "readable": bool(k and k.status.value == "ok"),
+        "oom_job": job_oom is not None,
+        "oom_line": job_oom.message if job_oom else "",
+        "oom_pid": float(job_oom.pid) if job_oom and job_oom.pid else -1.0,
+        "oom_comm": (job_oom.comm or "") if job_oom else "",
+        "oom_any": len(ooms),
+        "hung_job": bool(hung),
+        "hung_line": hung[-1].message if hung else "",
+        "xid": [{"xid": e.xid if e.xid is not None else -1, "pci": e.pci or "", "line": e.message}
+                for e in xids],
+        "io_errors": [e.message for e in ioerr][-5:],
+    }
+
+
+# ------------------------------------------------------------------------------------- activity
+
+def _activity(v: dict[str, Any]) -> dict[str, Any]:
+    """Signs of work other than log progress: a checkpoint write, outputs appearing.
+
+    "I/O counters unchanged for 2 s" after watching for 2 s says nothing; only a change we saw
+    counts, so the first look of a one-shot diagnosis never calls a frozen job "working".
+    """
+    ages: list[tuple[float, str]] = []
+    pr = v["proc"]
+    if pr["io_known"] and pr["io_unchanged_s"] < pr["tracked_s"]:
+        ages.append((pr["io_unchanged_s"], "I/O counters"))
+    if v["outputs"]["present"] and v["outputs"]["change_age_s"] >= 0:
+        ages.append((v["outputs"]["change_age_s"], "outputs"))
+    # CPU alone is not counted as work: a busy loop spins without progress, and that is a hang.
+    age, what = min(ages, default=(-1.0, ""))
+    return {"known": bool(ages), "age_s": age, "what": what,
+            "working": bool(ages) and 0 <= age < ACTIVITY_WINDOW_S}
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"

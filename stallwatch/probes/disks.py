@@ -1,0 +1,356 @@
+"""Disks probe: block device I/O rates and the space, mount and device behind each watched path.
+
+Two kinds of source with different risks. /proc/diskstats, mountinfo and sysfs are kernel memory:
+read inline. statvfs, realpath and listing /dev/shm go through the watched filesystem and can
+block forever (frozen fs, dead NFS), so they run in worker threads under one shared deadline; a
+worker that never returns is abandoned, reported, and not restarted until it does, so stuck
+threads never pile up tick after tick.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import threading
+from concurrent.futures import Future, wait
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+from stallwatch.clock import SYSTEM_CLOCK, Clock
+from stallwatch.diskfs import (
+    SECTOR_BYTES, BlockDeviceRef, DiskStat, MountInfo, device_for_mount, mount_for_path,
+    parse_diskstats, parse_mountinfo, path_in_filesystem,
+)
+from stallwatch.model import Frozen
+from stallwatch.probes.base import ProbeStatus
+from stallwatch.roots import Absent, Denied, Roots
+
+SHM_PREFIXES = ("sgl_shm",)  # SGLang's leaked sgl_shm_mm_* segments filled /dev/shm (#40723)
+_SHM_LIST_LIMIT = 100_000  # a runaway leak must not turn one listing into a memory problem
+
+
+class BlockDeviceIO(Frozen):
+    name: str
+    major: int
+    minor: int
+    interval_s: float | None = None  # None on the first sample: rates need two
+    read_bytes_per_s: float | None = None
+    write_bytes_per_s: float | None = None
+    read_iops: float | None = None
+    write_iops: float | None = None
+    await_ms: float | None = None  # mean time per completed I/O in the interval (iostat's await)
+    busy_pct: float | None = None  # share of the interval with I/O in flight (io_ticks)
+    inflight_ios: int = 0
+    # In flight > 0 while no read/write/discard/flush completed: the device completes nothing.
+    inflight_stuck_for_s: float = 0.0
+    read_bytes_total: int = 0
+    write_bytes_total: int = 0
+    completed_ios_total: int = 0
+
+
+class PathUsage(Frozen):
+    path: str
+    kind: Literal["path", "dev_shm"] = "path"
+    status: ProbeStatus = ProbeStatus.ok  # timeout: this tick's call; busy: stuck since earlier
+    detail: str | None = None  # evidence sentence when status is not ok
+    exists: bool | None = None  # False: not created yet, numbers are from its nearest parent
+    resolved_path: str | None = None
+    mount: MountInfo | None = None
+    fs_path: str | None = None  # the path inside its filesystem, when bind-mounted elsewhere
+    device: BlockDeviceRef | None = None
+    statvfs_latency_s: float | None = None
+    stuck_for_s: float | None = None  # how long the filesystem call has been outstanding
+    total_bytes: int | None = None
+    free_bytes: int | None = None  # available to unprivileged writers (df's Avail)
+    free_bytes_root: int | None = None  # including blocks reserved for root
+    used_pct: float | None = None  # as df computes it: used / (used + available)
+    total_inodes: int | None = None
+    free_inodes: int | None = None
+    inodes_used_pct: float | None = None
+    read_only: bool | None = None
+    shm_segments: int | None = None  # dev_shm only: entries in /dev/shm
+    sgl_shm_segments: int | None = None  # ... of them named like SGLang's segments
+    sgl_shm_bytes: int | None = None
+
+
+class DisksObs(Frozen):
+    devices: tuple[BlockDeviceIO, ...] = ()
+    paths: tuple[PathUsage, ...] = ()
+    diskstats_status: ProbeStatus = ProbeStatus.ok
+    mountinfo_status: ProbeStatus = ProbeStatus.ok
+    errors: tuple[str, ...] = ()
+
+
+@dataclass
+class _FsFacts:
+    """What a worker learned by touching the filesystem."""
+
+    resolved: str
+    exists: bool
+    st: os.statvfs_result
+    shm: tuple[int, int, int] | None = None  # (all entries, sgl entries, sgl bytes)
+
+
+@dataclass
+class _Call:
+    future: Future
+    started: float
+    finished: float | None = None
+
+
+class DisksProbe:
+    name = "disks"
+
+    def __init__(
+        self,
+        paths: list[str | os.PathLike[str]],
+        roots: Roots = Roots(),
+        clock: Clock = SYSTEM_CLOCK,
+        statvfs_deadline_s: float = 2.0,
+        *,
+        dev_shm: str | None = "/dev/shm",
+        # A job in another mount namespace: map paths with its mountinfo. statvfs still runs in
+        # the watchdog's namespace, so pass paths as the watchdog sees them.
+        mountinfo_pid: int | None = None,
+        statvfs: Callable[[str], os.statvfs_result] = os.statvfs,  # injected by tests
+    ) -> None:
+        self.paths = [posixpath.normpath(os.path.abspath(os.fspath(p))) for p in paths]
+        self.roots = roots
+        self.clock = clock
+        self.statvfs_deadline_s = statvfs_deadline_s
+        self.dev_shm = dev_shm
+        self.mountinfo_pid = mountinfo_pid
+        self._statvfs = statvfs
+        self._calls: dict[str, _Call] = {}
+        self._prev: dict[str, tuple[DiskStat, float]] = {}
+        self._stuck_since: dict[str, float] = {}
+
+    # -- the tick ------------------------------------------------------------------------------
+
+    def collect(self) -> DisksObs:
+        errors: list[str] = []
+        tick_start = self.clock.monotonic()
+        targets = [(p, "path") for p in self.paths]
+        if self.dev_shm and self.dev_shm not in self.paths:
+            targets.append((self.dev_shm, "dev_shm"))
+        # Start the filesystem calls first so their deadline overlaps the /proc work.
+        calls = {p: self._start(p, kind == "dev_shm") for p, kind in targets}
+
+        mounts, mountinfo_status = self._mountinfo(errors)
+        stats, diskstats_status = self._diskstats(errors)
+
+        wait([c.future for c in calls.values()], timeout=self.statvfs_deadline_s)
+        now = self.clock.monotonic()
+        paths = [self._path_entry(p, kind, calls[p], mounts, tick_start, now) for p, kind in targets]
+        # /dev/shm is reported only where it exists (some containers have none).
+        paths = [u for u in paths if not (u.kind == "dev_shm" and u.status is ProbeStatus.absent)]
+
+        watched = {n for u in paths if u.device for n in (u.device.name, u.device.parent_disk) if n}
+        devices = self._rates(stats, now, watched)
+        return DisksObs(
+            devices=tuple(devices), paths=tuple(paths), diskstats_status=diskstats_status,
+            mountinfo_status=mountinfo_status, errors=tuple(errors),
+        )
+
+    # -- kernel-memory sources (cannot hang) ---------------------------------------------------
+
+    def _mountinfo(self, errors: list[str]) -> tuple[list[MountInfo], ProbeStatus]:
+        who = str(self.mountinfo_pid) if self.mountinfo_pid else "self"
+        try:
+            text = self.roots.read_text(self.roots.proc / who / "mountinfo", 16 << 20)
+            return parse_mountinfo(text), ProbeStatus.ok
+        except Absent as e:
+            errors.append(f"mountinfo absent: {e}")
+            return [], ProbeStatus.absent
+        except Denied as e:
+            errors.append(f"mountinfo denied: {e}")
+            return [], ProbeStatus.denied
+
+    def _diskstats(self, errors: list[str]) -> tuple[dict[str, DiskStat], ProbeStatus]:
+        try:
+            text = self.roots.read_text(self.roots.proc / "diskstats", 16 << 20)
+            return parse_diskstats(text), ProbeStatus.ok
+        except Absent as e:
+            errors.append(f"diskstats absent: {e}")
+            return {}, ProbeStatus.absent
+        except Denied as e:  # systemd ProtectProc/ProcSubset=pid hides it (FIELD.md)
+            errors.append(f"diskstats denied: {e}")
+            return {}, ProbeStatus.denied
+
+    def _rates(self, stats: dict[str, DiskStat], now: float, watched: set[str]) -> list[BlockDeviceIO]:
+        out: list[BlockDeviceIO] = []
+        for name, cur in stats.items():
+            prev_t = self._prev.get(name)
+            self._prev[name] = (cur, now)
+            row = _device_io(cur, prev_t, now, self._stuck_since)
+            # Dozens of never-used loop/ram devices would only bloat every trace line.
+            if name in watched or row.completed_ios_total or cur.inflight_ios:
+                out.append(row)
+        for gone in set(self._prev) - set(stats):
+            del self._prev[gone]
+            self._stuck_since.pop(gone, None)
+        return out
+
+    # -- filesystem calls (may hang) -----------------------------------------------------------
+
+    def _start(self, path: str, is_shm: bool) -> _Call:
+        prev = self._calls.get(path)
+        if prev is not None and not prev.future.done():
+            return prev  # still stuck from an earlier tick: wait on it again, never start a second
+        call = _Call(Future(), self.clock.monotonic())
+
+        def work() -> None:
+            try:
+                facts = self._inspect(path, is_shm)
+            except BaseException as e:  # noqa: BLE001 - the result carries the failure
+                call.finished = self.clock.monotonic()
+                call.future.set_exception(e)
+            else:
+                call.finished = self.clock.monotonic()
+                call.future.set_result(facts)
+
+        self._calls[path] = call
+        threading.Thread(target=work, name=f"statvfs:{path}", daemon=True).start()
+        return call
+
+    def _inspect(self, path: str, is_shm: bool) -> _FsFacts:
+        resolved = os.path.realpath(path)
+        probe_at, exists = resolved, True
+        while True:
+            try:
+                st = self._statvfs(probe_at)
+                break
+            except FileNotFoundError:
+                if is_shm:
+                    raise
+                # The outputs dir may not exist yet; the disk it will land on can still be full.
+                exists = False
+                parent = posixpath.dirname(probe_at)
+                if parent == probe_at:
+                    raise
+                probe_at = parent
+        shm = _count_shm(resolved) if is_shm and exists else None
+        return _FsFacts(resolved=probe_at if not exists else resolved, exists=exists, st=st, shm=shm)
+
+    def _path_entry(self, path: str, kind: str, call: _Call, mounts: list[MountInfo],
+                    tick_start: float, now: float) -> PathUsage:
+        facts: _FsFacts | None = None
+        status, detail = ProbeStatus.ok, None
+        age = now - call.started
+        if not call.future.done():
+            status = ProbeStatus.busy if call.started < tick_start else ProbeStatus.timeout
+        else:
+            try:
+                facts = call.future.result()
+            except FileNotFoundError as e:
+                status, detail = ProbeStatus.absent, f"{path}: {e.strerror}"
+            except PermissionError as e:
+                status, detail = ProbeStatus.denied, f"statvfs on {path}: {e.strerror}"
+            except OSError as e:  # ENOTCONN/ESTALE/EIO: a dead network or fuse mount says so
+                status, detail = ProbeStatus.error, f"statvfs on {path} failed: {e.strerror or e}"
+            except Exception as e:  # noqa: BLE001 - one odd path must not cost the whole probe
+                status, detail = ProbeStatus.error, f"statvfs on {path} failed: {type(e).__name__}: {e}"
+
+        resolved = facts.resolved if facts else path
+        mount = mount_for_path(mounts, resolved)
+        device = device_for_mount(mount, self.roots) if mount else None
+        where = _describe(mount, device)
+        if status in (ProbeStatus.timeout, ProbeStatus.busy):
+            detail = (f"statvfs on {path} did not return in {self.statvfs_deadline_s:g} s{where}"
+                      if status is ProbeStatus.timeout else
+                      f"statvfs on {path} has not returned for {age:.0f} s{where}; not retried until it does")
+        entry = dict(
+            path=path, kind=kind, status=status, detail=detail, mount=mount, device=device,
+            fs_path=path_in_filesystem(mount, resolved) if mount and mount.root != "/" else None,
+            read_only=mount.read_only if mount else None,
+            stuck_for_s=age if facts is None and status in (ProbeStatus.timeout, ProbeStatus.busy) else None,
+        )
+        if facts is not None:
+            entry.update(_space(facts.st), exists=facts.exists, resolved_path=facts.resolved,
+                         statvfs_latency_s=max(0.0, (call.finished or now) - call.started))
+            if facts.shm is not None:
+                entry.update(zip(("shm_segments", "sgl_shm_segments", "sgl_shm_bytes"), facts.shm))
+        return PathUsage(**entry)
+
+
+def _device_io(cur: DiskStat, prev_t: tuple[DiskStat, float] | None, now: float,
+               stuck_since: dict[str, float]) -> BlockDeviceIO:
+    base = dict(
+        name=cur.name, major=cur.major, minor=cur.minor, inflight_ios=cur.inflight_ios,
+        read_bytes_total=cur.sectors_read * SECTOR_BYTES,
+        write_bytes_total=cur.sectors_written * SECTOR_BYTES,
+        completed_ios_total=cur.completed_ios,
+    )
+    if prev_t is None:
+        stuck_since.pop(cur.name, None)
+        return BlockDeviceIO(**base)
+    prev, t0 = prev_t
+    dt = now - t0
+    # Stuck only when I/O was in flight at both ends and nothing completed in between: a single
+    # sample with in-flight I/O is normal for any busy device.
+    if cur.inflight_ios > 0 and prev.inflight_ios > 0 and cur.completed_ios == prev.completed_ios:
+        stuck_since.setdefault(cur.name, t0)
+    else:
+        stuck_since.pop(cur.name, None)
+    base["inflight_stuck_for_s"] = now - stuck_since[cur.name] if cur.name in stuck_since else 0.0
+    d = {f: getattr(cur, f) - getattr(prev, f) for f in (
+        "reads_completed", "writes_completed", "sectors_read", "sectors_written",
+        "read_ms", "write_ms", "io_ticks_ms")}
+    if dt <= 0 or any(v < 0 for v in d.values()):
+        return BlockDeviceIO(**base)  # no time passed, or counters wrapped/reset: no honest rate
+    ios = d["reads_completed"] + d["writes_completed"]
+    return BlockDeviceIO(
+        **base, interval_s=dt,
+        read_bytes_per_s=d["sectors_read"] * SECTOR_BYTES / dt,
+        write_bytes_per_s=d["sectors_written"] * SECTOR_BYTES / dt,
+        read_iops=d["reads_completed"] / dt, write_iops=d["writes_completed"] / dt,
+        await_ms=(d["read_ms"] + d["write_ms"]) / ios if ios else None,
+        busy_pct=min(100.0, d["io_ticks_ms"] / (dt * 1000.0) * 100.0),
+    )
+
+
+def _space(st: os.statvfs_result) -> dict:
+    frsize = st.f_frsize or st.f_bsize
+    used_blocks = st.f_blocks - st.f_bfree
+    denom = used_blocks + st.f_bavail
+    used_inodes = st.f_files - st.f_ffree
+    return dict(
+        total_bytes=st.f_blocks * frsize, free_bytes=st.f_bavail * frsize,
+        free_bytes_root=st.f_bfree * frsize,
+        used_pct=100.0 * used_blocks / denom if denom else None,
+        # Filesystems without an inode limit (btrfs, some tmpfs) report 0 files: no percentage.
+        total_inodes=st.f_files, free_inodes=st.f_favail,
+        inodes_used_pct=100.0 * used_inodes / st.f_files if st.f_files else None,
+    )
+
+
+def _count_shm(path: str) -> tuple[int, int, int]:
+    total = sgl = sgl_bytes = 0
+    with os.scandir(path) as it:
+        for entry in it:
+            total += 1
+            if entry.name.startswith(SHM_PREFIXES):
+                sgl += 1
+                try:
+                    sgl_bytes += entry.stat(follow_symlinks=False).st_size
+                except OSError:
+                    pass  # unlinked between listing and stat
+            if total >= _SHM_LIST_LIMIT:
+                break
+    return total, sgl, sgl_bytes
+
+
+def _describe(mount: MountInfo | None, device: BlockDeviceRef | None) -> str:
+    """' (ext4 on loop0 backed by /srv/img, mounted at /data)' for evidence lines."""
+    if mount is None:
+        return ""
+    what = f"{mount.fs_type} {mount.source}"
+    if device is not None:
+        what = f"{mount.fs_type} on {device.name}"
+        if device.parent_disk:
+            what += f" of {device.parent_disk}"
+        if device.dm_name:
+            what += f" ({device.dm_name})"
+        if device.loop_backing_file:
+            what += f" backed by {device.loop_backing_file}"
+    return f" ({what}, mounted at {mount.mount_point})"

@@ -1,0 +1,470 @@
+"""The log probe: follow one log file and say how the job's progress moves.
+
+Two layers. `LogFollower` turns a growing file into lines at a cost that depends on the new
+bytes only: each tick it opens the file, fstats it, reads from its remembered offset (at most a
+chunk budget) and closes it again. Closing every tick means a rotated or deleted log is never
+kept alive by us and a mount is never held busy. `LogProbe` feeds the lines to the pure parsers
+in stallwatch.progress and keeps the learned state (last progress, when `done` last changed,
+the job's cadence, rates, the tail, the last traceback), all timed with the injected clock.
+
+Not thread-safe: the collector's DeadlineRunner never overlaps two calls of one probe.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import stat
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Literal
+
+from stallwatch.clock import SYSTEM_CLOCK, Clock
+from stallwatch.model import Frozen
+from stallwatch.progress import (
+    ProgressEvent, ProgressParser, Traceback, TracebackTracker, clean_line, fatal_kind, parse_tqdm,
+)
+
+_SEP = re.compile(rb"[\r\n]")  # tqdm redraws with \r: every redraw is a line of its own
+_FINGERPRINT = 64
+
+
+class LogStatus(StrEnum):
+    ok = "ok"
+    absent = "absent"  # not there (yet, or between rotation steps): keep waiting
+    denied = "denied"
+    not_a_file = "not_a_file"  # a directory, FIFO or device where the log should be
+    error = "error"
+
+
+@dataclass
+class FollowResult:
+    status: LogStatus
+    error: str | None = None
+    size: int | None = None
+    mtime_s: float | None = None
+    ident: tuple[int, int] | None = None  # (device, inode)
+    lines: list[str] = field(default_factory=list)
+    partial: str | None = None  # the unterminated last line: tqdm's newest bar sits there
+    first: bool = False  # this read learned history (the file's last initial_tail_bytes)
+    read_bytes: int = 0
+
+
+class LogFollower:
+    def __init__(
+        self, path: str | os.PathLike[str], *, max_line_bytes: int = 64 * 1024,
+        initial_tail_bytes: int = 1 << 20, chunk_budget_bytes: int = 8 << 20, read_size: int = 1 << 20,
+    ) -> None:
+        self.path = os.fspath(path)
+        self.max_line_bytes = max_line_bytes
+        self.initial_tail_bytes = initial_tail_bytes
+        self.chunk_budget_bytes = chunk_budget_bytes
+        self.read_size = min(read_size, chunk_budget_bytes)
+        self.offset = 0
+        self.ident: tuple[int, int] | None = None
+        self.size = 0
+        self._partial = bytearray()
+        # None, or why bytes up to the next separator are discarded: "overlong" (a line past
+        # max_line_bytes; its head is kept) or "cut" (the first read began mid-line).
+        self._dropping: str | None = None
+        self._fingerprint = b""
+        self._vanished = False  # seen absent after we knew it
+        self.rotations = self.truncations = self.overlong_lines = 0
+        self.bytes_read_total = self.lines_total = self.skipped_hole_bytes = 0
+
+    def poll(self) -> FollowResult:
+        try:
+            # O_NONBLOCK: opening a FIFO put in place of the log must not wait for a writer.
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            self._vanished = self.ident is not None
+            return FollowResult(LogStatus.absent, f"{self.path} does not exist")
+        except PermissionError as e:
+            return FollowResult(LogStatus.denied, f"{self.path}: {e.strerror}")
+        except OSError as e:
+            st = LogStatus.absent if e.errno == errno.ENOTDIR else LogStatus.error
+            return FollowResult(st, f"{self.path}: {e.strerror or e}")
+        try:
+            return self._poll_fd(fd)
+        except OSError as e:
+            return FollowResult(LogStatus.error, f"{self.path}: {e.strerror or e}")
+        finally:
+            os.close(fd)
+
+    def _poll_fd(self, fd: int) -> FollowResult:
+        st = os.fstat(fd)
+        ident = (st.st_dev, st.st_ino)
+        res = FollowResult(LogStatus.ok, size=st.st_size, mtime_s=st.st_mtime, ident=ident)
+        if not stat.S_ISREG(st.st_mode):
+            res.status = LogStatus.not_a_file
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+            res.error = f"{self.path} is {kind}"
+            self._vanished = self.ident is not None
+            return res
+        budget = self.chunk_budget_bytes
+        if self.ident is None:
+            # First sight: learn history from the tail only, whatever the file's size.
+            res.first = True
+            self.offset = max(0, st.st_size - self.initial_tail_bytes)
+            # Starting mid-file: the first line is cut unless the byte before us ends a line.
+            cut = self.offset > 0 and os.pread(fd, 1, self.offset - 1) not in (b"\n", b"\r")
+            self._dropping = "cut" if cut else None
+            budget = max(budget, self.initial_tail_bytes)
+        elif ident != self.ident or self._vanished:
+            # Renamed away and recreated, or deleted and recreated (which may reuse the inode
+            # number): the new file is read from its start.
+            self.rotations += 1
+            self._restart()
+        elif st.st_size < self.offset or not self._same_prefix(fd):
+            # Truncated, or copytruncate'd and refilled past our offset before we looked.
+            self.truncations += 1
+            self._restart()
+        self.ident, self.size, self._vanished = ident, st.st_size, False
+        self._skip_hole(fd, st.st_size)
+        while budget > 0 and self.offset < st.st_size:
+            data = os.pread(fd, min(self.read_size, budget), self.offset)
+            if not data:
+                break
+            self.offset += len(data)
+            budget -= len(data)
+            res.read_bytes += len(data)
+            self._feed(data, res.lines)
+        self.bytes_read_total += res.read_bytes
+        self.lines_total += len(res.lines)
+        if res.read_bytes:
+            n = min(_FINGERPRINT, self.offset)
+            self._fingerprint = os.pread(fd, n, self.offset - n)
+        if self._partial and self._dropping is None:
+            res.partial = clean_line(self._partial.decode("utf-8", "replace")) or None
+        return res
+
+    def _restart(self) -> None:
+        self.offset = 0
+        self._partial.clear()
+        self._dropping = None
+        self._fingerprint = b""
+
+    def _same_prefix(self, fd: int) -> bool:
+        """The bytes just before our offset are still those we read: one small pread a tick."""
+        n = len(self._fingerprint)
+        return n == 0 or os.pread(fd, n, self.offset - n) == self._fingerprint
+
+    def _skip_hole(self, fd: int, size: int) -> None:
+        # A writer without O_APPEND keeps its offset across copytruncate and leaves a hole of
+        # NULs up to it; SEEK_DATA jumps over it instead of reading gigabytes of zeros.
+        if self.offset >= size:
+            return
+        try:
+            nxt = os.lseek(fd, self.offset, os.SEEK_DATA)
+        except OSError:  # ENXIO: only hole up to EOF; EINVAL: not supported here
+            return
+        if nxt > self.offset:
+            self.skipped_hole_bytes += nxt - self.offset
+            self.offset = nxt
+            self._partial.clear()
+
+    def _feed(self, data: bytes, out: list[str]) -> None:
+        pos = 0
+        for m in _SEP.finditer(data):
+            self._end_line(data[pos : m.start()], out)
+            pos = m.end()
+        self._grow_partial(data[pos:])
+
+    def _grow_partial(self, piece: bytes) -> None:
+        if self._dropping or not piece:
+            return
+        room = self.max_line_bytes - len(self._partial)
+        self._partial += piece[:room]
+        if len(piece) > room:
+            self._dropping = "overlong"  # keep the head, discard the rest until a separator
+            self.overlong_lines += 1
+
+    def _end_line(self, piece: bytes, out: list[str]) -> None:
+        if self._dropping == "cut":
+            self._dropping = None
+            return
+        if self._dropping is None:
+            self._grow_partial(piece)
+        self._dropping = None
+        if self._partial:
+            line = clean_line(self._partial.decode("utf-8", "replace"))
+            self._partial.clear()
+            if line:
+                out.append(line)
+
+
+# --- the probe -------------------------------------------------------------------------------
+
+
+class Cadence(Frozen):
+    """How often `done` changes: the job's own rhythm, so rules adapt to slow jobs."""
+
+    median_s: float
+    p90_s: float
+    max_s: float
+    samples: int
+    source: Literal["observed", "tqdm_elapsed", "tqdm_rate", "mixed"]
+
+
+class FatalLine(Frozen):
+    kind: str
+    line: str
+
+
+class LogObs(Frozen):
+    path: str
+    status: LogStatus
+    error: str | None = None
+    size_bytes: int | None = None
+    mtime_epoch_s: float | None = None
+    inode: int | None = None
+    device: int | None = None
+    offset_bytes: int = 0
+    backlog_bytes: int = 0  # not read yet: over the per-tick budget
+    read_bytes: int = 0  # this tick
+    read_bytes_total: int = 0
+    lines_total: int = 0
+    rotations: int = 0
+    truncations: int = 0
+    overlong_lines: int = 0
+    last_growth_age_s: float | None = None
+    progress: ProgressEvent | None = None
+    progress_events: int = 0
+    progress_changes: int = 0
+    idle_s: float | None = None  # since `done` last changed
+    idle_source: Literal["observed", "mtime", "mtime_lower_bound"] | None = None
+    cadence_s: Cadence | None = None
+    rate_per_s: float | None = None  # measured here: done delta over a window of our clock
+    tqdm_rate_per_s: float | None = None
+    eta_s: float | None = None
+    tail: tuple[str, ...] = ()
+    traceback: Traceback | None = None  # the last one not followed by progress
+    tracebacks_seen: int = 0
+    fatal: tuple[FatalLine, ...] = ()  # fatal-looking lines since the last progress
+
+
+def _p90(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(0.9 * (len(s) - 1))))]
+
+
+class LogProbe:
+    """Follows one log; `collect()` returns a LogObs and never raises for a missing or odd file."""
+
+    name = "log"
+    CADENCE_RING = 32
+    TAIL_LINE_CHARS = 400
+    FATAL_KEEP = 5
+
+    def __init__(
+        self, path: str | os.PathLike[str], progress_regex: str | None = None, clock: Clock = SYSTEM_CLOCK,
+        tail_lines: int = 20, max_line_bytes: int = 64 * 1024, initial_tail_bytes: int = 1 << 20,
+        chunk_budget_bytes: int = 8 << 20, rate_window_s: float = 120.0, name: str = "log",
+    ) -> None:
+        self.name = name  # DeadlineRunner keys in-flight calls by name: one per job's log
+        self.parser = ProgressParser(progress_regex)  # raises ValueError for a bad regex, up front
+        self.clock = clock
+        self.follower = LogFollower(
+            path, max_line_bytes=max_line_bytes, initial_tail_bytes=initial_tail_bytes,
+            chunk_budget_bytes=chunk_budget_bytes,
+        )
+        self.rate_window_s = rate_window_s
+        self._tail: deque[str] = deque(maxlen=max(1, tail_lines))
+        self._tail_lines = tail_lines
+        self._tail_last_progress = False
+        self._tb = TracebackTracker()
+        self._fatal: deque[FatalLine] = deque(maxlen=self.FATAL_KEEP)
+        self._last: ProgressEvent | None = None
+        self._events = self._changes = 0
+        self._last_change: float | None = None  # clock.monotonic() when done last changed
+        self._idle_source: str | None = None
+        self._intervals: deque[float] = deque(maxlen=self.CADENCE_RING)
+        self._estimated = self._observed = 0  # ring entries learned from history / measured
+        self._history_source = "tqdm_rate"
+        self._samples: deque[tuple[float, float]] = deque(maxlen=64)  # (monotonic, done)
+        self._last_growth: float | None = None
+        self._peeked: str | None = None  # partial line already counted as progress
+        self._tqdm_history: list[ProgressEvent] = []
+
+    # -- per tick
+
+    def collect(self) -> LogObs:
+        now = self.clock.monotonic()
+        f = self.follower
+        prev_size, prev_rotations = f.size, f.rotations
+        r = f.poll()
+        if r.status is LogStatus.ok:
+            if r.first:
+                self._last_growth = self._mono_of(r.mtime_s, now)
+            elif f.rotations != prev_rotations or (r.size or 0) > prev_size:
+                self._last_growth = now
+        changes = self._consume(r)
+        if changes:
+            self._on_changes(changes, r, now)
+        return self._obs(r, now)
+
+    def _consume(self, r: FollowResult) -> int:
+        changes = 0
+        self._tqdm_history.clear()
+        for line in r.lines:
+            peeked, self._peeked = line == self._peeked, None
+            ev = None if peeked else self.parser.parse(line)
+            if ev is not None:
+                changes += self._on_event(ev, r.first)
+            elif not peeked:
+                self._tb.feed(line)
+                kind = fatal_kind(line)
+                if kind:
+                    self._fatal.append(FatalLine(kind=kind, line=line[: self.TAIL_LINE_CHARS]))
+            self._push_tail(line, progress=peeked or ev is not None)
+        # tqdm's newest bar has no terminator until the next redraw: read it now, not one
+        # update late (a slow job's bar would otherwise lag one whole cadence). Only tqdm:
+        # its closing `]` proves the bar is whole, a cut `N/M` could read as a wrong pair.
+        if r.partial is not None and r.partial != self._peeked:
+            self._peeked = None
+            ev = parse_tqdm(r.partial) if self.parser.regex is None else None
+            if ev is not None:
+                changes += self._on_event(ev, r.first)
+                self._peeked = r.partial
+        return changes
+
+    def _on_event(self, ev: ProgressEvent, history: bool) -> int:
+        self._events += 1
+        changed = self._last is None or ev.done != self._last.done
+        self._last = ev
+        if history and ev.source == "tqdm":
+            self._tqdm_history.append(ev)
+        if not changed:
+            return 0
+        # Progress moved on after a traceback: it was caught and logged, not how the job ended.
+        self._tb.reset()
+        self._fatal.clear()
+        return 1
+
+    def _on_changes(self, n: int, r: FollowResult, now: float) -> None:
+        self._changes += n
+        done = float(self._last.done) if self._last else 0.0
+        if r.first:
+            self._learn_history(r, now)
+        else:
+            if self._last_change is not None:
+                # One sample a tick: the mean interval of the changes read in it, so a fast job
+                # read once a second does not fill the ring with zeros.
+                self._add_interval((now - self._last_change) / n)
+            self._last_change, self._idle_source = now, "observed"
+        if self._samples and done < self._samples[-1][1]:
+            self._samples.clear()  # a new bar, or a restart from scratch: old rate is void
+        self._samples.append((self._last_change if self._last_change is not None else now, done))
+
+    def _add_interval(self, s: float) -> None:
+        # Estimates learned from history are the oldest entries: they leave the ring first.
+        if self._estimated and len(self._intervals) == self._intervals.maxlen:
+            self._estimated -= 1
+        self._intervals.append(max(0.0, s))
+        self._observed += 1
+
+    def _learn_history(self, r: FollowResult, now: float) -> None:
+        # When done last changed is unknown; the file's mtime bounds it. If the progress line was
+        # the last thing written, mtime is that moment; otherwise it happened earlier.
+        last_line = r.partial or (r.lines[-1] if r.lines else None)
+        is_last = last_line is not None and self.parser.parse(last_line) is not None
+        self._last_change = self._mono_of(r.mtime_s, now)
+        self._idle_source = "mtime" if is_last else "mtime_lower_bound"
+        # Cadence from tqdm's own elapsed field (1 s resolution) between changes of one bar.
+        deltas: list[float] = []
+        prev: ProgressEvent | None = None
+        for ev in self._tqdm_history:
+            if prev is not None and ev.elapsed_s is not None and prev.elapsed_s is not None:
+                if ev.total == prev.total and ev.elapsed_s >= prev.elapsed_s and ev.done != prev.done:
+                    deltas.append(ev.elapsed_s - prev.elapsed_s)
+            prev = ev
+        if len(deltas) >= 3:
+            self._intervals.extend(deltas[-self.CADENCE_RING :])
+            self._history_source = "tqdm_elapsed"
+        elif self._last is not None and self._last.rate_per_s:
+            # tqdm redraws at most every mininterval (0.1 s) and at least on every update.
+            self._intervals.append(max(1.0 / self._last.rate_per_s, 0.1))
+            self._history_source = "tqdm_rate"
+        self._estimated = len(self._intervals)
+
+    def _mono_of(self, mtime_s: float | None, now: float) -> float:
+        """A file time on our monotonic axis (never in the future)."""
+        if mtime_s is None:
+            return now
+        return now - max(0.0, self.clock.time() - mtime_s)
+
+    def _push_tail(self, line: str, progress: bool) -> None:
+        line = line[: self.TAIL_LINE_CHARS]
+        # Successive redraws of a bar show as the one line a terminal would show.
+        if progress and self._tail_last_progress and self._tail:
+            self._tail[-1] = line
+        else:
+            self._tail.append(line)
+        self._tail_last_progress = progress
+
+    # -- derived values
+
+    def _cadence(self) -> Cadence | None:
+        xs = list(self._intervals)
+        if not xs:
+            return None
+        if not self._estimated:
+            source = "observed"
+        else:
+            source = self._history_source if not self._observed else "mixed"
+        return Cadence(
+            median_s=statistics.median(xs), p90_s=_p90(xs), max_s=max(xs), samples=len(xs),
+            source=source,
+        )
+
+    def _rate(self, now: float, cadence: Cadence | None) -> float | None:
+        if len(self._samples) < 2:
+            return None
+        window = max(self.rate_window_s, 3 * cadence.max_s if cadence else 0.0)
+        base = self._samples[0]
+        for s in self._samples:  # the latest sample at or before the window start
+            if s[0] <= now - window:
+                base = s
+        span = now - base[0]
+        if span <= 0:
+            return None
+        return max(0.0, (self._samples[-1][1] - base[1]) / span)
+
+    def _obs(self, r: FollowResult, now: float) -> LogObs:
+        f = self.follower
+        cadence = self._cadence()
+        rate = self._rate(now, cadence)
+        last = self._last
+        eta = None
+        if last is not None and last.total is not None:
+            speed = rate if rate is not None else last.rate_per_s
+            if speed:
+                eta = max(0.0, (float(last.total) - float(last.done)) / speed)
+            elif last.remaining_s is not None:
+                eta = last.remaining_s
+        tail = list(self._tail) if self._tail_lines > 0 else []
+        if r.partial and self._tail_lines > 0:
+            p = r.partial[: self.TAIL_LINE_CHARS]
+            if self._tail_last_progress and tail and p == self._peeked:
+                tail[-1] = p
+            else:
+                tail = (tail + [p])[-self._tail_lines :]
+        ok = r.status is LogStatus.ok
+        return LogObs(
+            path=f.path, status=r.status, error=r.error,
+            size_bytes=r.size if ok else None, mtime_epoch_s=r.mtime_s if ok else None,
+            inode=r.ident[1] if ok and r.ident else None, device=r.ident[0] if ok and r.ident else None,
+            offset_bytes=f.offset, backlog_bytes=max(0, (r.size or 0) - f.offset) if ok else 0,
+            read_bytes=r.read_bytes, read_bytes_total=f.bytes_read_total, lines_total=f.lines_total,
+            rotations=f.rotations, truncations=f.truncations, overlong_lines=f.overlong_lines,
+            last_growth_age_s=None if self._last_growth is None else max(0.0, now - self._last_growth),
+            progress=last, progress_events=self._events, progress_changes=self._changes,
+            idle_s=None if self._last_change is None else max(0.0, now - self._last_change),
+            idle_source=self._idle_source, cadence_s=cadence, rate_per_s=rate,
+            tqdm_rate_per_s=last.rate_per_s if last else None, eta_s=eta, tail=tuple(tail),
+            traceback=self._tb.current, tracebacks_seen=self._tb.seen, fatal=tuple(self._fatal),
+        )
+

@@ -1,0 +1,571 @@
+"""The outputs probe: how many files the job has written, how big, and when the last one changed.
+
+Listing 10^5 files every tick is too slow, and a listing is the truth only at the moment it is
+taken. So: an in-memory index, fed between ticks by inotify events (the `watchdog` package) and
+corrected by a periodic reconciliation (a recursive scandir), which alone decides what is true.
+A lost event, an inotify queue overflow, or a network filesystem where inotify sees nothing (other
+hosts' writes) can therefore leave the index wrong for at most one reconcile period.
+
+Reconciliation is incremental. A directory whose mtime has not changed since we listed it still
+has the same names, so its cached listing is reused (unless its mtime was within RACY_NS of the
+listing itself: a later change in the same timestamp tick would leave mtime unchanged, the "racy
+git" problem). Sizes of files written in place do not touch the directory's mtime, so recently
+changed files ("hot", a bounded set) are re-stat'ed every tick, and every `full_every`-th
+reconciliation re-stats everything, which also catches an old file rewritten in place.
+
+Not thread-safe: the collector's DeadlineRunner never overlaps two calls; only the event queue is
+shared with the watchdog thread, under a lock.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import heapq
+import logging
+import os
+import re
+import stat
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Literal
+
+from stallwatch.clock import SYSTEM_CLOCK, Clock
+from stallwatch.model import Frozen
+from stallwatch.roots import DEFAULT_ROOTS, Roots
+
+RACY_NS = 2_000_000_000  # FAT has 2 s mtimes; ext4/xfs are finer, NFS depends on the server
+MAX_PENDING = 200_000  # queued event paths; past this we drop them and reconcile instead
+NETWORK_FS = {
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "ncpfs", "afs", "9p", "lustre", "gpfs", "beegfs",
+    "glusterfs", "ceph", "orangefs", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.rclone",
+    "fuse.juicefs", "fuse.glusterfs", "fuse.ceph", "fuse.cephfs", "fuse.lustre", "fuse.weka",
+}
+
+
+class OutputsStatus(StrEnum):
+    ok = "ok"
+    absent = "absent"  # not created yet, or removed
+    denied = "denied"
+    not_a_dir = "not_a_dir"
+    error = "error"
+
+
+class OutputFile(Frozen):
+    path: str  # relative to the outputs directory, `/`-separated
+    size_bytes: int
+    mtime_epoch_s: float
+    age_s: float  # wall now minus mtime, never negative
+
+
+class OutputsObs(Frozen):
+    path: str
+    status: OutputsStatus
+    error: str | None = None
+    watch_mode: Literal["inotify", "polling"] = "polling"
+    fs_type: str | None = None
+    watch_error: str | None = None  # why inotify is not in use, when it was wanted
+    file_count: int = 0
+    dir_count: int = 0  # directories below the root
+    total_bytes: int = 0
+    newest: OutputFile | None = None
+    last_change_age_s: float | None = None  # a file appeared, grew, changed or vanished
+    recent: tuple[OutputFile, ...] = ()  # the last new files, oldest first
+    hot_files: int = 0  # files changed within hot_window_s (being written, or just written)
+    events_seen: int = 0
+    overflows: int = 0  # times events were known lost (kernel queue, or our pending bound)
+    reconciliations: int = 0
+    reconcile_changes: int = 0  # differences a reconciliation found that events had not shown
+    last_reconcile_duration_s: float | None = None
+    last_reconcile_age_s: float | None = None
+    unreadable_dirs: int = 0  # in the last reconciliation
+
+
+# --- inotify queue overflow: watchdog only logs it, so listen to its log -----------------------
+
+_overflows = 0
+
+
+class _OverflowHint(logging.Handler):
+    """watchdog logs "Inotify queue overflowed" and carries on. Counting those lets us reconcile
+    at once instead of at the next period; the periodic reconciliation stays the safety net."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        global _overflows
+        if "overflow" in record.getMessage():
+            _overflows += 1
+
+
+_hint_lock = threading.Lock()
+_hint_installed = False
+
+
+def _install_overflow_hint() -> None:
+    global _hint_installed
+    with _hint_lock:
+        if not _hint_installed:
+            logging.getLogger("watchdog.observers.inotify_c").addHandler(_OverflowHint(logging.WARNING))
+            _hint_installed = True
+
+
+# --- filesystem type -------------------------------------------------------------------------
+
+
+def _unescape(s: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), s)
+
+
+def fs_type(path: str | os.PathLike[str], roots: Roots = DEFAULT_ROOTS) -> str | None:
+    """The type of the mount holding `path`, from mountinfo (the longest matching mount point)."""
+    try:
+        text = roots.read_text(roots.proc / "self" / "mountinfo", limit=16 << 20)
+    except Exception:  # noqa: BLE001 - unknown type just means "use inotify"
+        return None
+    real = os.path.realpath(path)
+    best, best_type = -1, None
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields = left.split()
+        if not sep or len(fields) < 5 or not right:
+            continue
+        mp = _unescape(fields[4])
+        inside = real == mp or real.startswith(mp.rstrip("/") + "/")
+        if inside and len(mp) > best:
+            best, best_type = len(mp), right.split()[0]
+    return best_type
+
+
+def is_network_fs(fstype: str | None) -> bool:
+    return fstype is not None and (fstype in NETWORK_FS or fstype.startswith(("nfs", "cifs", "smb")))
+
+
+# --- the index -------------------------------------------------------------------------------
+
+
+@dataclass
+class _Dir:
+    mtime_ns: int = -1  # -1: never listed (known only from events): list it at reconciliation
+    listed_ns: int = 0
+    files: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (size, mtime_ns)
+    subdirs: set[str] = field(default_factory=set)
+
+
+def _join(d: str, name: str) -> str:
+    return f"{d}/{name}" if d else name
+
+
+def _split(rel: str) -> tuple[str, str]:
+    d, _, n = rel.rpartition("/")
+    return d, n
+
+
+class OutputsProbe:
+    """Watches one outputs directory; `collect()` returns an OutputsObs and never raises for a
+    missing, replaced or unreadable directory. Call `close()` to stop the inotify thread."""
+
+    name = "outputs"
+
+    def __init__(
+        self, path: str | os.PathLike[str], clock: Clock = SYSTEM_CLOCK, reconcile_every_s: float = 30.0,
+        pattern: str | None = None, use_watchdog: bool = True, *, poll_every_s: float = 5.0,
+        full_every: int = 10, recent_n: int = 16, hot_window_s: float = 60.0, max_hot: int = 256,
+        roots: Roots = DEFAULT_ROOTS, name: str = "outputs",
+    ) -> None:
+        self.name = name  # DeadlineRunner keys in-flight calls by name: one per job's outputs
+        self.root = os.path.abspath(os.fspath(path))
+        self._base = self.root
+        self.clock = clock
+        self.reconcile_every_s = reconcile_every_s
+        self.poll_every_s = poll_every_s  # the period when no events come (NFS, no inotify)
+        self.full_every = max(1, full_every)
+        self.pattern = pattern
+        self._match = re.compile(fnmatch.translate(pattern)).match if pattern else None
+        self.use_watchdog = use_watchdog
+        self.recent_n, self.hot_window_s, self.max_hot = recent_n, hot_window_s, max_hot
+        self.roots = roots
+        self._lock = threading.Lock()
+        self._pending: dict[str, None] = {}  # event paths, deduplicated, insertion-ordered
+        self._pending_lost = False
+        self._events_seen = 0
+        self._observer = None
+        self._watch_ident: tuple[int, int] | None = None
+        self._watch_error: str | None = None
+        self._fs_type: str | None = None
+        self._fs_checked = False
+        self._seen_overflows = _overflows  # only overflows from now on concern us
+        self._overflows = 0
+        self._reconciles = self._reconcile_changes = self._unreadable = 0
+        self._reconcile_dur: float | None = None
+        self._last_reconcile: float | None = None
+        self._root_ident: tuple[int, int] | None = None
+        self._reset_index()
+        self._last_change: float | None = None
+
+    # -- index primitives
+
+    def _reset_index(self) -> None:
+        self._dirs: dict[str, _Dir] = {}
+        self._count = self._bytes = 0
+        self._newest: tuple[int, str] | None = None
+        self._newest_stale = False
+        self._recent: OrderedDict[str, None] = OrderedDict()
+        self._hot: OrderedDict[str, float] = OrderedDict()
+        self._initial = True  # the next reconciliation learns history: no "changes", no "new"
+
+    def _dir(self, rel: str) -> _Dir:
+        d = self._dirs.get(rel)
+        if d is None:
+            d = self._dirs[rel] = _Dir()
+            if rel:
+                parent, name = _split(rel)
+                self._dir(parent).subdirs.add(name)
+        return d
+
+    def _put(self, dirrel: str, name: str, size: int, mtime_ns: int, now: float) -> bool:
+        d = self._dir(dirrel)
+        old = d.files.get(name)
+        if old == (size, mtime_ns):
+            return False
+        rel = _join(dirrel, name)
+        d.files[name] = (size, mtime_ns)
+        self._bytes += size - (old[0] if old else 0)
+        if old is None:
+            self._count += 1
+        if self._newest is None or mtime_ns >= self._newest[0]:
+            self._newest = (mtime_ns, rel)
+        if not self._initial:
+            if old is None:
+                self._recent[rel] = None
+                while len(self._recent) > self.recent_n:
+                    self._recent.popitem(last=False)
+            self._heat(rel, now)
+            self._last_change = now
+        return True
+
+    def _heat(self, rel: str, now: float) -> None:
+        self._hot[rel] = now
+        self._hot.move_to_end(rel)
+        while len(self._hot) > self.max_hot:
+            self._hot.popitem(last=False)
+
+    def _drop(self, dirrel: str, name: str, now: float) -> bool:
+        d = self._dirs.get(dirrel)
+        old = d.files.pop(name, None) if d else None
+        if old is None:
+            return False
+        rel = _join(dirrel, name)
+        self._count -= 1
+        self._bytes -= old[0]
+        self._recent.pop(rel, None)
+        self._hot.pop(rel, None)
+        if self._newest and self._newest[1] == rel:
+            self._newest_stale = True
+        self._last_change = now
+        return True
+
+    def _drop_dir(self, rel: str, now: float) -> int:
+        gone = [k for k in self._dirs if k == rel or not rel or k.startswith(rel + "/")]
+        n = 0
+        for k in gone:
+            for name in list(self._dirs[k].files):
+                n += self._drop(k, name, now)
+            del self._dirs[k]
+        if rel:
+            parent = self._dirs.get(_split(rel)[0])
+            if parent:
+                parent.subdirs.discard(_split(rel)[1])
+        return n
+
+    # -- reconciliation
+
+    def _walk(self, start: str, now: float, full: bool, seen: set[str]) -> int:
+        """Bring the index under `start` in line with the disk; returns the differences found."""
+        changes = 0
+        stack = [start]
+        while stack:
+            rel = stack.pop()
+            path = os.path.join(self._base, rel) if rel else self._base
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue  # gone since its parent was listed: pruned as unseen
+            if not stat.S_ISDIR(st.st_mode):
+                continue
+            seen.add(rel)
+            d = self._dirs.get(rel)
+            if d is not None and not full and d.mtime_ns == st.st_mtime_ns and d.listed_ns - d.mtime_ns > RACY_NS:
+                stack.extend(_join(rel, s) for s in d.subdirs)
+                continue
+            listed_ns = time.time_ns()  # compared with filesystem mtimes, so real wall time
+            try:
+                with os.scandir(path) as it:
+                    entries = list(it)
+            except PermissionError:
+                self._unreadable += 1
+                if d is not None:  # keep what we knew; still look below it
+                    stack.extend(_join(rel, s) for s in d.subdirs)
+                continue
+            except OSError:
+                seen.discard(rel)
+                continue
+            d = self._dir(rel)
+            names: set[str] = set()
+            subdirs: set[str] = set()
+            for e in entries:
+                try:
+                    if e.is_dir(follow_symlinks=False):
+                        subdirs.add(e.name)
+                        continue
+                except OSError:
+                    continue
+                if self._match and not self._match(e.name):
+                    continue
+                names.add(e.name)
+                frel = _join(rel, e.name)
+                if not full and e.name in d.files and frel not in self._hot:
+                    continue  # a cold file under the same name: its cached stat stands
+                try:
+                    fst = e.stat(follow_symlinks=False)
+                except OSError:
+                    names.discard(e.name)
+                    continue
+                changes += self._put(rel, e.name, fst.st_size, fst.st_mtime_ns, now)
+            for name in [n for n in d.files if n not in names]:
+                changes += self._drop(rel, name, now)
+            for sub in d.subdirs - subdirs:
+                changes += self._drop_dir(_join(rel, sub), now)
+            d.subdirs = subdirs
+            d.mtime_ns, d.listed_ns = st.st_mtime_ns, listed_ns
+            stack.extend(_join(rel, s) for s in subdirs)
+        return changes
+
+    def _reconcile(self, now: float, full: bool) -> None:
+        t0 = time.perf_counter()  # a cost, not a point on the job's timeline: real time
+        self._unreadable = 0
+        seen: set[str] = set()
+        changes = self._walk("", now, full, seen)
+        for rel in [k for k in self._dirs if k not in seen]:
+            if rel in self._dirs:
+                changes += self._drop_dir(rel, now)
+        if self._initial:
+            self._learn_history(now)
+        else:
+            self._reconcile_changes += changes
+        self._reconciles += 1
+        self._last_reconcile = now
+        self._reconcile_dur = time.perf_counter() - t0
+
+    def _learn_history(self, now: float) -> None:
+        self._initial = False
+        wall = self.clock.time()
+        files = ((m, _join(d, n)) for d, dd in self._dirs.items() for n, (_, m) in dd.files.items())
+        newest = heapq.nlargest(self.recent_n, files)
+        for m, rel in reversed(newest):
+            self._recent[rel] = None
+            if wall - m / 1e9 <= self.hot_window_s:
+                self._heat(rel, now - max(0.0, wall - m / 1e9))
+        if newest:
+            # When the last change happened is unknown: the newest mtime is the best bound
+            # (unless we saw a change ourselves, such as the old directory vanishing).
+            estimate = now - max(0.0, wall - newest[0][0] / 1e9)
+            self._last_change = max(estimate, self._last_change or estimate)
+
+    def _recompute_newest(self) -> None:
+        files = ((m, _join(d, n)) for d, dd in self._dirs.items() for n, (_, m) in dd.files.items())
+        self._newest = max(files, default=None)
+        self._newest_stale = False
+
+    # -- events
+
+    def _enqueue(self, *paths: str) -> None:
+        with self._lock:
+            self._events_seen += 1
+            for p in paths:
+                if p:
+                    self._pending[p] = None
+            if len(self._pending) > MAX_PENDING:
+                self._pending.clear()  # bounded memory; the reconciliation we force recovers
+                self._pending_lost = True
+
+    def _apply_events(self, now: float) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for p in pending:
+            rel = os.path.relpath(p, self._base).replace(os.sep, "/")
+            if rel == "." or rel.startswith("../") or rel == "..":
+                continue
+            dirrel, name = _split(rel)
+            try:
+                st = os.lstat(p)
+            except OSError:
+                if rel in self._dirs:
+                    self._drop_dir(rel, now)
+                else:
+                    self._drop(dirrel, name, now)
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                if rel not in self._dirs or self._dirs[rel].mtime_ns == -1:
+                    self._walk(rel, now, True, set())  # a new directory: its files came with it
+            elif not self._match or self._match(name):
+                self._put(dirrel, name, st.st_size, st.st_mtime_ns, now)
+
+    def _restat_hot(self, now: float) -> None:
+        for rel, t in list(self._hot.items()):
+            if now - t > self.hot_window_s:
+                del self._hot[rel]
+                continue
+            dirrel, name = _split(rel)
+            try:
+                st = os.lstat(os.path.join(self._base, rel))
+            except OSError:
+                self._drop(dirrel, name, now)
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                self._put(dirrel, name, st.st_size, st.st_mtime_ns, now)
+
+    # -- the inotify watch
+
+    def _watching(self) -> bool:
+        obs = self._observer
+        return obs is not None and obs.is_alive() and all(e.is_alive() for e in obs.emitters)
+
+    def _ensure_watch(self, ident: tuple[int, int]) -> bool:
+        """Start (or restart) the watch; True when it was (re)started, so events may be missing."""
+        if not self.use_watchdog:
+            return False
+        if not self._fs_checked:
+            self._fs_checked = True
+            self._fs_type = fs_type(self._base, self.roots)
+        if is_network_fs(self._fs_type):
+            return False  # inotify would see only this host's writes: poll instead
+        if self._watching() and self._watch_ident == ident:
+            return False
+        self._stop_watch()
+        from watchdog.events import (
+            DirCreatedEvent, DirDeletedEvent, DirMovedEvent, FileClosedEvent, FileCreatedEvent,
+            FileDeletedEvent, FileModifiedEvent, FileMovedEvent, FileSystemEventHandler,
+        )
+        from watchdog.observers import Observer
+
+        probe = self
+
+        class Handler(FileSystemEventHandler):
+            def on_any_event(self, event) -> None:  # the watchdog thread: only queue the paths
+                probe._enqueue(os.fsdecode(event.src_path), os.fsdecode(getattr(event, "dest_path", "") or ""))
+
+        # Directory "modified" events come with every file created in them: leave them out.
+        kinds = [
+            FileCreatedEvent, FileModifiedEvent, FileDeletedEvent, FileMovedEvent, FileClosedEvent,
+            DirCreatedEvent, DirDeletedEvent, DirMovedEvent,
+        ]
+        _install_overflow_hint()
+        obs = None
+        try:
+            obs = Observer()
+            obs.schedule(Handler(), self._base, recursive=True, event_filter=kinds)
+            obs.start()
+        except Exception as e:  # noqa: BLE001 - ENOSPC (watch limit), EMFILE (instances), ...
+            self._watch_error = f"inotify unavailable, polling: {type(e).__name__}: {e}"
+            if obs is not None:
+                self._observer = obs
+                self._stop_watch()
+            return False
+        self._observer, self._watch_ident, self._watch_error = obs, ident, None
+        return True
+
+    def _stop_watch(self) -> None:
+        obs, self._observer, self._watch_ident = self._observer, None, None
+        if obs is not None:
+            try:
+                obs.stop()
+                if obs.is_alive():
+                    obs.join(timeout=5)
+            except Exception:  # noqa: BLE001 - stopping a broken observer must not fail a tick
+                pass
+
+    def close(self) -> None:
+        self._stop_watch()
+
+    def __enter__(self) -> "OutputsProbe":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- per tick
+
+    def collect(self) -> OutputsObs:
+        now = self.clock.monotonic()
+        try:
+            # The real path: inotify does not follow a symlinked root, and event paths and the
+            # index are then all under one spelling.
+            self._base = os.path.realpath(self.root)
+            st = os.stat(self._base)
+        except FileNotFoundError:
+            return self._gone(now, OutputsStatus.absent, f"{self.root} does not exist")
+        except PermissionError as e:
+            return self._obs(now, OutputsStatus.denied, f"{self.root}: {e.strerror}")
+        except OSError as e:
+            return self._gone(now, OutputsStatus.error, f"{self.root}: {e.strerror or e}")
+        if not stat.S_ISDIR(st.st_mode):
+            return self._gone(now, OutputsStatus.not_a_dir, f"{self.root} is not a directory")
+        ident = (st.st_dev, st.st_ino)
+        if self._root_ident is not None and ident != self._root_ident:
+            self._gone(now, OutputsStatus.absent, None)  # replaced: nothing we knew is there
+        self._root_ident = ident
+        restarted = self._ensure_watch(ident)
+        period = self.reconcile_every_s if self._watching() else min(self.reconcile_every_s, self.poll_every_s)
+        with self._lock:
+            lost, self._pending_lost = self._pending_lost, False
+        if _overflows != self._seen_overflows:
+            # The log does not say whose queue overflowed: every watching probe reconciles.
+            lost = lost or self._watching()
+            self._seen_overflows = _overflows
+        self._overflows += lost
+        due = self._initial or lost or restarted or self._last_reconcile is None or now - self._last_reconcile >= period
+        if due:
+            self._reconcile(now, full=self._initial or self._reconciles % self.full_every == 0)
+        self._apply_events(now)
+        self._restat_hot(now)
+        return self._obs(now, OutputsStatus.ok, None)
+
+    def _gone(self, now: float, status: OutputsStatus, error: str | None) -> OutputsObs:
+        self._stop_watch()
+        with self._lock:
+            self._pending.clear()
+        if self._count or self._dirs:
+            if self._count:
+                self._last_change = now  # every file we knew vanished with the directory
+            self._reset_index()
+        self._root_ident = None
+        return self._obs(now, status, error)
+
+    def _file(self, rel: str, wall: float) -> OutputFile | None:
+        dirrel, name = _split(rel)
+        d = self._dirs.get(dirrel)
+        info = d.files.get(name) if d else None
+        if info is None:
+            return None
+        mtime = info[1] / 1e9
+        return OutputFile(path=rel, size_bytes=info[0], mtime_epoch_s=mtime, age_s=max(0.0, wall - mtime))
+
+    def _obs(self, now: float, status: OutputsStatus, error: str | None) -> OutputsObs:
+        if self._newest_stale:
+            self._recompute_newest()
+        wall = self.clock.time()
+        newest = self._file(self._newest[1], wall) if self._newest else None
+        recent = tuple(f for f in (self._file(r, wall) for r in self._recent) if f is not None)
+        return OutputsObs(
+            path=self.root, status=status, error=error,
+            watch_mode="inotify" if self._watching() else "polling", fs_type=self._fs_type,
+            watch_error=self._watch_error, file_count=self._count, dir_count=max(0, len(self._dirs) - 1),
+            total_bytes=self._bytes, newest=newest,
+            last_change_age_s=None if self._last_change is None else max(0.0, now - self._last_change),
+            recent=recent, hot_files=len(self._hot), events_seen=self._events_seen,
+            overflows=self._overflows, reconciliations=self._reconciles,
+            reconcile_changes=self._reconcile_changes, last_reconcile_duration_s=self._reconcile_dur,
+            last_reconcile_age_s=None if self._last_reconcile is None else now - self._last_reconcile,
+            unreadable_dirs=self._unreadable,
+        )

@@ -1,0 +1,288 @@
+"""Kernel log: record and event parsers, the reader on text dumps, and a real OOM kill (root)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from stallwatch.clock import FakeClock
+from stallwatch.kmsgparse import EventKind, KernelEventParser, parse_event, parse_record
+from stallwatch.probes.base import ProbeStatus
+from stallwatch.probes.kmsg import KernelLogObs, KernelLogProbe
+from stallwatch.roots import Roots
+
+FIXTURES = Path(__file__).parent / "fixtures" / "kmsg"
+
+
+def ev(line: str):
+    rec = parse_record(line)
+    assert rec is not None, line
+    return parse_event(rec, boot_wall_time=1_000_000.0)
+
+
+def fixture_tree(tmp_path: Path, *names: str, btime: int = 1795989902) -> Path:
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc" / "stat").write_text(f"cpu  1 2 3 4\nbtime {btime}\nprocesses 10\n")
+    with open(tmp_path / "dev" / "kmsg", "w") as out:
+        for n in names:
+            out.write((FIXTURES / n).read_text())
+    return tmp_path
+
+
+# -- records ---------------------------------------------------------------------------------------
+
+def test_record_fields_and_continuation_lines() -> None:
+    rec = parse_record("5,284,424793,-;virtio_blk virtio1: [vda] 536870912 blocks\n SUBSYSTEM=virtio\n DEVICE=+virtio:virtio1\n")
+    assert (rec.seq, rec.usec, rec.level, rec.facility) == (284, 424793, 5, 0)
+    assert rec.message == "virtio_blk virtio1: [vda] 536870912 blocks"
+    assert parse_record("14,631,730000100,-,caller=T1;hello").facility == 1  # prio 14 = user.info
+    assert parse_record("no separator") is None and parse_record("x,y,z,-;msg") is None
+
+
+# -- events ----------------------------------------------------------------------------------------
+
+def test_oom_kill_lines() -> None:
+    e = ev("3,454,554350699,-;Memory cgroup out of memory: Killed process 8269 (python3) total-vm:540872kB, "
+           "anon-rss:65152kB, file-rss:6604kB, shmem-rss:0kB, UID:0 pgtables:192kB oom_score_adj:0")
+    assert e.kind is EventKind.oom_kill and (e.pid, e.comm) == (8269, "python3")
+    assert (e.total_vm_kb, e.anon_rss_kb, e.file_rss_kb, e.shmem_rss_kb) == (540872, 65152, 6604, 0)
+    assert e.constraint == "CONSTRAINT_MEMCG" and e.oom_score_adj == 0
+    assert e.wall_time == pytest.approx(1_000_000.0 + 554.350699)
+
+    g = ev("3,1,2,-;Out of memory: Killed process 77 (pt_main_thread) total-vm:1kB, anon-rss:2kB, file-rss:3kB, "
+           "shmem-rss:4kB, UID:1000 pgtables:5kB oom_score_adj:-1000")
+    assert (g.pid, g.comm, g.constraint, g.oom_score_adj) == (77, "pt_main_thread", None, -1000)
+    old = ev("3,1,2,-;Killed process 12 (java) total-vm:10kB, anon-rss:5kB, file-rss:0kB")  # pre-4.19
+    assert (old.kind, old.pid, old.anon_rss_kb) == (EventKind.oom_kill, 12, 5)
+
+    s = ev("6,453,554350670,-;oom-kill:constraint=CONSTRAINT_MEMCG,nodemask=(null),cpuset=/,mems_allowed=0,"
+           "oom_memcg=/stallwatch-test-1,task_memcg=/stallwatch-test-1/job,task=python3,pid=8269,uid=0")
+    assert (s.kind, s.pid, s.comm, s.constraint) == (EventKind.oom_kill, 8269, "python3", "CONSTRAINT_MEMCG")
+    assert (s.oom_memcg, s.task_memcg) == ("/stallwatch-test-1", "/stallwatch-test-1/job")
+    # The reaper's follow-up is not a second kill.
+    assert ev("6,642,1,-;oom_reaper: reaped process 5555 (python), now anon-rss:0kB, file-rss:0kB") is None
+
+
+def test_hung_task_xid_io_fs_segfault_lines() -> None:
+    h = ev("3,600,700000000,-;INFO: task pt_data_worker:4242 blocked for more than 122 seconds.")
+    assert (h.kind, h.comm, h.pid, h.blocked_for_s) == (EventKind.hung_task, "pt_data_worker", 4242, 122)
+    assert ev("3,1,1,-;INFO: task kworker/u8:3:99 blocked for more than 120 seconds.").comm == "kworker/u8:3"
+
+    x = ev("4,610,1,-;NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python, GPU has fallen off the bus.")
+    assert (x.kind, x.xid, x.pci, x.pid, x.comm) == (EventKind.gpu_xid, 79, "0000:3b:00", 1234, "python")
+    unk = ev("4,612,1,-;NVRM: Xid (PCI:0000:b1:00): 13, pid='<unknown>', name=<unknown>, Graphics SM Warp Exception")
+    assert (unk.xid, unk.pid, unk.comm) == (13, None, None)
+    assert ev("4,613,1,-;NVRM: Xid (PCI:0000:18:00): 48, An uncorrectable double bit error (DBE)").xid == 48
+    bus = ev("4,611,1,-;NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus.")
+    assert (bus.kind, bus.xid, bus.pci) == (EventKind.gpu_xid, None, "0000:3b:00.0")
+
+    b = ev("3,620,1,-;I/O error, dev loop0, sector 2048 op 0x1:(WRITE) flags 0x800 phys_seg 1 prio class 2")
+    assert (b.kind, b.device, b.sector, b.op) == (EventKind.block_io_error, "loop0", 2048, "WRITE")
+    old = ev("3,621,1,-;blk_update_request: I/O error, dev sda, sector 123456 op 0x0:(READ) flags 0x0")
+    assert (old.device, old.sector, old.op) == ("sda", 123456, "READ")
+    assert ev("3,1,1,-;print_req_error: I/O error, dev nvme0n1, sector 77").device == "nvme0n1"
+
+    for line, dev in [
+        ("3,623,1,-;Buffer I/O error on dev loop0, logical block 0, lost async page write", "loop0"),
+        ("2,624,1,-;EXT4-fs error (device loop0): ext4_find_entry:1663: inode #2: comm ls: reading directory", "loop0"),
+        ("3,625,1,-;Aborting journal on device loop0-8.", "loop0-8"),
+        ("2,626,1,-;EXT4-fs (dm-0): Remounting filesystem read-only", "dm-0"),
+        ("3,627,1,-;XFS (nvme0n1p1): metadata I/O error in \"xfs_trans_read_buf_map\" at daddr 0x2 len 1 error 5", "nvme0n1p1"),
+        ("2,1,1,-;BTRFS error (device sdc1): bdev /dev/sdc1 errs: wr 1, rd 0, flush 0", "sdc1"),
+        ("5,628,1,-;nfs: server fileserver not responding, still trying", "fileserver"),
+    ]:
+        f = ev(line)
+        assert (f.kind, f.device) == (EventKind.fs_error, dev), line
+    assert ev("6,1,1,-;EXT4-fs (loop0): mounted filesystem r/w with ordered data mode.") is None
+
+    s = ev("6,457,1,-;python3[8411]: segfault at 0 ip 00007fbb2bd85ad8 sp 00007ffe38160988 error 4 in "
+           "libc.so.6[167ad8,7fbb2bc44000+156000] likely on CPU 1 (core 1, socket 0)")
+    assert (s.kind, s.comm, s.pid, s.fault_addr, s.object) == (EventKind.segfault, "python3", 8411, "0", "libc.so.6")
+    gp = ev("6,630,1,-;traps: python[4243] general protection fault ip:7f3a sp:7ffc error:0 in libtorch_cuda.so[7f3a+2]")
+    assert (gp.kind, gp.pid, gp.fault_addr, gp.object) == (EventKind.segfault, 4243, None, "libtorch_cuda.so")
+
+
+def test_userspace_lines_are_not_kernel_events() -> None:
+    assert ev("14,631,1,-;python[999]: INFO: task fake:1 blocked for more than 999 seconds.") is None
+
+
+def test_parser_merges_the_two_lines_of_one_oom_kill() -> None:
+    p = KernelEventParser()
+    recs = [parse_record(ln) for ln in (FIXTURES / "oom_memcg_v1.kmsg").read_text().splitlines()
+            if not ln.startswith(" ")]
+    events = [e for r in recs for e in p.feed(r)] + p.end_batch() + p.end_batch()
+    (kill,) = events
+    assert (kill.pid, kill.comm, kill.constraint) == (8269, "python3", "CONSTRAINT_MEMCG")
+    assert kill.task_memcg == "/swexp-3767" and kill.anon_rss_kb == 65152 and kill.seq == 454
+
+
+def test_parser_emits_a_lone_summary_after_a_batch() -> None:
+    p = KernelEventParser()
+    summary = parse_record("6,10,1,-;oom-kill:constraint=CONSTRAINT_MEMCG,task_memcg=/x,task=a,pid=5,uid=0")
+    assert p.feed(summary) == [] and p.end_batch() == []  # its Killed line may come next tick
+    (lone,) = p.end_batch()
+    assert (lone.pid, lone.task_memcg) == (5, "/x")
+    # A summary followed by a different kill is emitted at once, then the other kill.
+    p.feed(summary)
+    out = p.feed(parse_record("3,12,2,-;Out of memory: Killed process 6 (b) total-vm:1kB"))
+    assert [e.pid for e in out] == [5, 6]
+
+
+# -- the probe on a text dump ------------------------------------------------------------------------
+
+def test_probe_history_reads_fixture_and_rings(tmp_path: Path) -> None:
+    tree = fixture_tree(tmp_path, "mixed.kmsg")
+    probe = KernelLogProbe(roots=Roots.under(tree), clock=FakeClock(), history=True, ring_size=5)
+    obs = probe.collect()
+    assert obs.status is ProbeStatus.ok and obs.cursor == 642 and obs.prev_cursor is None
+    assert obs.records_read == 25  # continuation lines are part of their record
+    assert obs.counts == {"segfault": 2, "hung_task": 1, "gpu_xid": 4, "block_io_error": 3,
+                          "fs_error": 6, "oom_kill": 1}
+    assert len(obs.events) == 5 and obs.events[-1].kind is EventKind.oom_kill
+    oom = obs.events[-1]
+    assert (oom.pid, oom.constraint, oom.task_memcg) == (5555, "CONSTRAINT_NONE", "/user.slice/user-1000.slice")
+    assert oom.wall_time == pytest.approx(1795989902 + 740.0001)
+    assert obs.records_lost == (456 - 284) + (599 - 458) + (609 - 603) + (619 - 613) + (629 - 628) + (639 - 631)  # seq gaps
+    assert KernelLogObs.model_validate_json(obs.model_dump_json()) == obs
+
+
+def test_probe_tails_from_the_end_and_keeps_its_cursor(tmp_path: Path) -> None:
+    tree = fixture_tree(tmp_path, "mixed.kmsg")
+    kmsg = tree / "dev" / "kmsg"
+    probe = KernelLogProbe(roots=Roots.under(tree), clock=FakeClock())
+    first = probe.collect()
+    assert first.status is ProbeStatus.ok and first.records_read == 0 and first.events == ()
+    with open(kmsg, "a") as f:
+        f.write("3,700,800000000,-;INFO: task python:31337 blocked for more than 120 seconds.\n")
+        f.write("3,701,800000001,-;I/O error, dev vda, sect")  # torn: its newline is not written yet
+    obs = probe.collect()
+    assert obs.cursor == 700 and [e.pid for e in obs.events] == [31337]
+    with open(kmsg, "a") as f:
+        f.write("or 8 op 0x1:(WRITE) flags 0x0\n")
+    obs = probe.collect()
+    assert (obs.prev_cursor, obs.cursor) == (700, 701)
+    new = [e for e in obs.events if e.seq > obs.prev_cursor]
+    assert [(e.kind, e.device, e.sector) for e in new] == [(EventKind.block_io_error, "vda", 8)]
+    assert obs.counts == {"hung_task": 1, "block_io_error": 1}
+
+
+def test_probe_resumes_after_a_stored_cursor(tmp_path: Path) -> None:
+    tree = fixture_tree(tmp_path, "mixed.kmsg")
+    obs = KernelLogProbe(roots=Roots.under(tree), clock=FakeClock(), cursor=630).collect()
+    assert [e.seq for e in obs.events] == [641]  # 631 is userspace; 640+641 are one OOM kill
+
+
+def test_probe_absent_and_denied(tmp_path: Path) -> None:
+    obs = KernelLogProbe(roots=Roots.under(tmp_path), clock=FakeClock()).collect()
+    assert obs.status is ProbeStatus.absent and obs.events == ()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/kmsg"), reason="no /dev/kmsg on this machine")
+def test_probe_denied_for_an_unprivileged_user() -> None:
+    """The real /dev/kmsg as uid 65534: denied when dmesg_restrict=1 (or mode forbids), ok else."""
+    restricted = Path("/proc/sys/kernel/dmesg_restrict").read_text().strip() == "1"
+    if os.geteuid() == 0:
+        pid = os.fork()
+        if pid == 0:  # child: drop to nobody, report the status as the exit code
+            code = 99
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                obs = KernelLogProbe().collect()
+                code = {ProbeStatus.denied: 10, ProbeStatus.ok: 11}.get(obs.status, 12)
+                code += 10 if obs.error and "CAP_SYSLOG" in obs.error else 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+    else:
+        obs = KernelLogProbe().collect()
+        code = {ProbeStatus.denied: 10, ProbeStatus.ok: 11}.get(obs.status, 12)
+        code += 10 if obs.error and "CAP_SYSLOG" in obs.error else 0
+    if restricted:
+        assert code == 20  # denied, and the reason names the privilege it needs
+    else:
+        assert code in (11, 20)
+
+
+# -- live: a real OOM kill in a memory cgroup --------------------------------------------------------
+
+@contextmanager
+def memory_cgroup(limit_bytes: int) -> Iterator[Path]:
+    """A fresh memory cgroup (v1 memory controller, or v2 with memory enabled), removed after."""
+    name = f"stallwatch-test-{uuid.uuid4().hex[:8]}"
+    v1 = Path("/sys/fs/cgroup/memory")
+    v2 = Path("/sys/fs/cgroup")
+    if (v1 / "memory.limit_in_bytes").exists():
+        cg = v1 / name
+        cg.mkdir()
+        limits = [("memory.limit_in_bytes", limit_bytes), ("memory.memsw.limit_in_bytes", limit_bytes)]
+    elif "memory" in (v2 / "cgroup.subtree_control").read_text() if (v2 / "cgroup.subtree_control").exists() else False:
+        cg = v2 / name
+        cg.mkdir()
+        limits = [("memory.max", limit_bytes), ("memory.swap.max", 0)]
+    else:
+        pytest.skip("no memory cgroup controller (neither v1 memory nor v2 with +memory)")
+    try:
+        for fname, value in limits:
+            if (cg / fname).exists():  # memsw/swap files exist only with swap accounting
+                (cg / fname).write_text(str(value))
+        yield cg
+    finally:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                cg.rmdir()
+                break
+            except OSError:  # EBUSY until the killed task is fully gone
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: creates a memory cgroup and reads /dev/kmsg")
+def test_real_oom_kill_is_reported_with_the_victims_pid() -> None:
+    probe = KernelLogProbe(history=False)
+    first = probe.collect()  # opened at the end of the log, before the OOM happens
+    if first.status is not ProbeStatus.ok:
+        pytest.skip(f"/dev/kmsg not readable here: {first.error}")
+    with memory_cgroup(64 << 20) as cg:
+        r, w = os.pipe()
+        # The child blocks on the pipe until it is inside the cgroup, then touches 512 MiB.
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import os; os.read(0, 1); x = b'\\1' * (512 << 20); print(len(x))"],
+            stdin=r, stdout=subprocess.DEVNULL)
+        os.close(r)
+        try:
+            (cg / "cgroup.procs").write_text(str(child.pid))
+            os.write(w, b"g")
+            assert child.wait(timeout=60) == -9, "the child was expected to be OOM-killed"
+            deadline = time.monotonic() + 10
+            kills = []
+            while not kills:
+                obs = probe.collect()
+                kills = [e for e in obs.events if e.kind is EventKind.oom_kill and e.pid == child.pid]
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"no oom_kill for pid {child.pid}; events: {obs.events}")
+                time.sleep(0.05)
+        finally:
+            os.close(w)
+            if child.poll() is None:
+                child.kill()
+                child.wait(timeout=30)
+    (kill,) = kills
+    assert kill.constraint == "CONSTRAINT_MEMCG"
+    assert kill.task_memcg is None or kill.task_memcg.endswith(cg.name)  # None: an old kernel
+    assert kill.comm.startswith("python") and kill.anon_rss_kb > 0
+    assert kill.seq > (first.cursor or -1) and kill.wall_time == pytest.approx(time.time(), abs=120)
+    probe.close()
