@@ -160,7 +160,8 @@ def replay(
     timeline = replay_trace(trace, rules)
     print_timeline(timeline, json_out)
     from stallwatch import diagnose as dg
-    return dg.exit_code(timeline[-1]["kind"], 0) if timeline else 3
+    kinds = [row["kind"] for row in timeline if "kind" in row]
+    return dg.exit_code(kinds[-1], 0) if kinds else 3
 
 
 @rules_app.command("check")
