@@ -56,7 +56,10 @@ class Collector:
         self.kernel = KernelLogProbe(roots=roots, clock=clock, history=kernel_history)
         self._static_paths = [str(p) for p in (target.log and Path(target.log).parent,
                                                target.outputs) if p]
-        self.disks = DisksProbe(list(self._static_paths), roots=roots, clock=clock)
+        # statvfs has its own deadline inside the probe, so a stuck mount is named in the result;
+        # the outer deadline only catches the probe itself hanging.
+        self.disks = DisksProbe(list(self._static_paths), roots=roots, clock=clock,
+                                statvfs_deadline_s=min(2.0, deadline_s))
 
     def note_exit(self, pid: int, start_ticks: int | None, returncode: int) -> None:
         """The supervisor reaped its child: the probe reports the real exit status."""
@@ -70,7 +73,8 @@ class Collector:
         procs: ProcessesObs | None = results["processes"][0]
         # The filesystems that matter are those the job works in and writes to, known only now.
         self.disks.paths = _disk_paths(self._static_paths, procs)
-        results["disks"] = self.runner.call("disks", self.disks.collect, self.deadline_s)
+        results["disks"] = self.runner.call("disks", self.disks.collect,
+                                            self.disks.statvfs_deadline_s + 1.0)
 
         reports: list[ProbeReport] = []
         values = {}

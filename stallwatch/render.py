@@ -82,7 +82,7 @@ def render(doc: dict[str, Any], console: Console) -> None:
                 states[th["state"]] = states.get(th["state"], 0) + 1
             st = " ".join(f"{n}{s}" for s, n in sorted(states.items()))
             label = Text.assemble((f"{p['pid']} ", "bold"), (f"[{p['state']}] ", _state_style(p["state"])),
-                                  (p["cmdline"][:100] or p["comm"]), (f"  threads {st}", "dim"))
+                                  (" ".join(p["cmdline"].split())[:100] or p["comm"]), (f"  threads {st}", "dim"))
             if p.get("wchan"):
                 label.append(f"  wchan {p['wchan']}", style="dim")
             parent = nodes.get(p["ppid"], tree)

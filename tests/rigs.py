@@ -8,6 +8,7 @@ later writer on the machine.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import select
 import shutil
@@ -320,3 +321,37 @@ class FakeProc:
         fields[13], fields[14], fields[19] = str(utime), str(stime), str(num_threads)
         fields[21], fields[51] = str(start_ticks), str(exit_code)
         return " ".join(fields) + "\n"
+
+
+@contextmanager
+def dead_fuse_mount() -> Iterator[tuple[Path, Callable[[], None]]]:
+    """(mount dir, abort) of a FUSE mount whose daemon never answers, like a dead NFS server:
+    every statvfs, stat or lookup on it blocks in the kernel. We hold /dev/fuse and never read
+    it, so the kernel's INIT is never answered and every request waits for it. abort() closes
+    the fd, which aborts the connection: blocked calls fail with ENOTCONN, and the mount can go.
+
+    Outside pytest's tmp_path on purpose: pytest's cleanup of old runs must never walk into it.
+    """
+    mnt = Path(tempfile.mkdtemp(prefix="stallwatch-deadfuse-"))
+    fd = os.open("/dev/fuse", os.O_RDWR)
+    closed = False
+
+    def abort() -> None:
+        nonlocal closed
+        if not closed:
+            closed = True
+            os.close(fd)
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    opts = f"fd={fd},rootmode=40000,user_id=0,group_id=0".encode()
+    mounted = libc.mount(b"stallwatch-dead", str(mnt).encode(), b"fuse", 0, opts) == 0
+    err = ctypes.get_errno()
+    try:
+        if not mounted:
+            pytest.skip(f"cannot mount FUSE here: {os.strerror(err)}")
+        yield mnt, abort
+    finally:
+        abort()  # first, so that the unmount below cannot block
+        if mounted:
+            subprocess.run(["umount", "-l", str(mnt)], check=False, timeout=60)
+        os.rmdir(mnt)

@@ -6,18 +6,16 @@ kills, unmounts and detaches in its own `finally` (and thaws from a timer if a t
 
 from __future__ import annotations
 
-import ctypes
 import os
 import subprocess
-import tempfile
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import pytest
-from rigs import frozen_ext4, loop_ext4, root, spawn_in_state, task_state  # noqa: F401 - root is a fixture
+from rigs import dead_fuse_mount, frozen_ext4, loop_ext4, root, spawn_in_state, task_state  # noqa: F401 - root is a fixture
 
 from stallwatch.probes.base import ProbeStatus
 from stallwatch.probes.disks import DisksProbe
@@ -91,41 +89,7 @@ def test_frozen_fs_with_writer_in_d_probe_returns_within_deadline() -> None:
         assert task_state(writer.pid) == "D"  # still frozen: the probe released nothing
 
 
-# -- a dead mount: FUSE with no daemon answering ----------------------------------------------------
-
-@contextmanager
-def dead_fuse_mount() -> Iterator[tuple[Path, Callable[[], None]]]:
-    """(mount dir, abort) of a FUSE mount whose daemon never answers, like a dead NFS server:
-    every statvfs, stat or lookup on it blocks in the kernel. We hold /dev/fuse and never read
-    it, so the kernel's INIT is never answered and every request waits for it. abort() closes
-    the fd, which aborts the connection: blocked calls fail with ENOTCONN, and the mount can go.
-
-    Outside pytest's tmp_path on purpose: pytest's cleanup of old runs must never walk into it.
-    """
-    mnt = Path(tempfile.mkdtemp(prefix="stallwatch-deadfuse-"))
-    fd = os.open("/dev/fuse", os.O_RDWR)
-    closed = False
-
-    def abort() -> None:
-        nonlocal closed
-        if not closed:
-            closed = True
-            os.close(fd)
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    opts = f"fd={fd},rootmode=40000,user_id=0,group_id=0".encode()
-    mounted = libc.mount(b"stallwatch-dead", str(mnt).encode(), b"fuse", 0, opts) == 0
-    err = ctypes.get_errno()
-    try:
-        if not mounted:
-            pytest.skip(f"cannot mount FUSE here: {os.strerror(err)}")
-        yield mnt, abort
-    finally:
-        abort()  # first, so that the unmount below cannot block
-        if mounted:
-            subprocess.run(["umount", "-l", str(mnt)], check=False, timeout=60)
-        os.rmdir(mnt)
-
+# -- a dead mount: FUSE with no daemon answering (rigs.dead_fuse_mount) -----------------------------
 
 @pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="needs /dev/fuse")
 def test_dead_mount_statvfs_times_out_then_is_not_retried() -> None:

@@ -1,0 +1,86 @@
+"""The collector never hangs: a probe stuck in the kernel becomes evidence and the tick goes on."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+from rigs import dead_fuse_mount, root  # noqa: F401 - root is a fixture
+
+from stallwatch.collector import Collector
+from stallwatch.features import features
+from stallwatch.probes.base import DeadlineRunner, ProbeStatus
+from stallwatch.targets import Target
+
+
+def test_a_hanging_call_times_out_then_reports_busy_and_never_piles_up():
+    release = threading.Event()
+    calls = []
+
+    def stuck():
+        calls.append(1)
+        release.wait(30)
+        return "late"
+
+    r = DeadlineRunner()
+    try:
+        value, rep = r.call("x", stuck, 0.2)
+        assert value is None and rep.status == ProbeStatus.timeout and "0.2 s" in rep.error
+        value, rep = r.call("x", stuck, 0.2)
+        assert rep.status == ProbeStatus.busy and len(calls) == 1  # never a second stuck thread
+        assert r.stuck() == ["x"]
+    finally:
+        release.set()
+
+
+def test_call_many_runs_concurrently_so_stuck_probes_cost_one_deadline():
+    release = threading.Event()
+    r = DeadlineRunner()
+    t0 = time.monotonic()
+    try:
+        out = r.call_many([(f"p{i}", lambda: release.wait(30), 0.5) for i in range(4)]
+                          + [("ok", lambda: 42, 0.5)])
+    finally:
+        release.set()
+    elapsed = time.monotonic() - t0
+    assert [rep.status for _, rep in out[:4]] == [ProbeStatus.timeout] * 4
+    assert out[4][0] == 42 and out[4][1].status == ProbeStatus.ok
+    assert elapsed < 4 * 0.5  # sequential deadlines would have cost 2 s
+
+
+def test_a_probe_that_raises_becomes_an_error_report():
+    def boom():
+        raise ValueError("garbage in /proc")
+
+    value, rep = DeadlineRunner().call("x", boom, 1.0)
+    assert value is None and rep.status == ProbeStatus.error
+    assert "ValueError: garbage in /proc" in rep.error
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="needs /dev/fuse for a dead mount")
+def test_log_and_outputs_on_a_dead_mount_do_not_hang_the_tick(root):
+    with dead_fuse_mount() as (mnt, abort):
+        c = Collector(Target(pids=(os.getppid(),), log=mnt / "job.log", outputs=mnt / "out"),
+                      gpu=False, deadline_s=1.0, use_inotify=False)
+        try:
+            t0 = time.monotonic()
+            snap = c.tick()
+            first = time.monotonic() - t0
+            snap2 = c.tick()
+        finally:
+            abort()  # unblocks the abandoned workers before the collector is closed
+            c.close()
+    assert first < 4.0  # one deadline for the stuck probes (they run concurrently), plus /proc
+    st = {p.name: p.status for p in snap.probes}
+    assert st["log"] == ProbeStatus.timeout and st["outputs"] == ProbeStatus.timeout
+    assert st["processes"] == ProbeStatus.ok
+    st2 = {p.name: p.status for p in snap2.probes}
+    assert st2["log"] == ProbeStatus.busy
+    # The disks probe names the dead mount even though statvfs never returned.
+    paths = {p.path: p for p in snap.disks.paths}
+    assert any(p.status in (ProbeStatus.timeout, ProbeStatus.busy) for p in paths.values())
+    v = features(snap2)
+    assert any("log: busy" in e or "log: timeout" in e for e in v["probe_errors"])
+    assert v["disk"]["stuck"]
