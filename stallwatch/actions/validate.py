@@ -1,0 +1,596 @@
+"""Before a resume: find the outputs a killed job left broken, and move them aside.
+
+A job that writes `torch.save` files straight to their final path (SpecForge does) and resumes
+by skipping files that exist treats a file truncated by the kill as done, forever. So before the
+resume, the files written around the failure are checked, and the broken ones are moved to a
+quarantine folder — never deleted, never overwriting anything — so the job writes them again.
+
+What `validate_file` checks, cheapest first (each one is necessary, none alone sufficient):
+
+- every file: it exists, is a regular file, and is not empty;
+- a zip archive (`torch.save` since 1.6 writes one, whatever the suffix): the end-of-central-
+  directory record and the central directory are whole (`zipfile` refuses the file otherwise —
+  a truncated file loses its tail, which is where they live); every member lies before the
+  central directory; for torch files, `data.pkl` parses as a pickle *without running it* (every
+  global is replaced by an inert stub, nothing is imported or called) and every tensor storage it
+  references exists as a member of the size its element type and count say; then, unless the
+  members add up to more than `crc_max_bytes` (default 256 MiB, about 0.1 s a 64 MiB file),
+  every member is read and its CRC-32 compared;
+- a legacy (non-zip) torch file: the magic number, protocol, system-info, object and
+  storage-key pickles parse the same inert way, and the file is exactly as long as the storages
+  they announce (8-byte count + data each);
+- `.safetensors`: the 8-byte header length, the JSON header, and the tensors' byte ranges, which
+  must tile the data section to the very last byte of the file;
+- with torch importable (and `use_torch` not False): `torch.load(path, weights_only=True,
+  map_location="cpu")` as the final word for torch files. A file torch refuses only because
+  `weights_only` does not allow one of its classes is structurally whole: it is reported valid,
+  with that note, rather than quarantined (recomputing it would not change it).
+
+A file of another type is only checked to be non-empty.
+"""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import hashlib
+import importlib.util
+import json
+import os
+import pickle
+import stat as _stat
+import struct
+import zipfile
+from pathlib import Path
+from typing import IO, Any, Callable, Collection, Iterable, NamedTuple
+
+from stallwatch.clock import SYSTEM_CLOCK, Clock
+from stallwatch.model import Frozen
+
+__all__ = [
+    "DEFAULT_PATTERNS", "FileCheck", "Quarantined", "Skipped", "ValidationReport",
+    "quarantine_file", "validate_file", "validate_outputs",
+]
+
+DEFAULT_PATTERNS = ("*.pt", "*.ckpt", "*.pth", "*.safetensors")
+TORCH_SUFFIXES = (".pt", ".ckpt", ".pth")
+CRC_MAX_BYTES = 256 << 20
+PICKLE_MAX_BYTES = 64 << 20  # data.pkl of a tensor dict is a few KiB; a bigger one is not parsed
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # torch.serialization.MAGIC_NUMBER
+MANIFEST = "MANIFEST.jsonl"
+
+# Bytes per element of torch's typed storage classes, as data.pkl names them.
+ELEMENT_SIZES = {
+    "DoubleStorage": 8, "FloatStorage": 4, "HalfStorage": 2, "BFloat16Storage": 2,
+    "LongStorage": 8, "IntStorage": 4, "ShortStorage": 2, "CharStorage": 1, "ByteStorage": 1,
+    "BoolStorage": 1, "ComplexFloatStorage": 8, "ComplexDoubleStorage": 16,
+    "UntypedStorage": 1, "QInt8Storage": 1, "QUInt8Storage": 1, "QInt32Storage": 4,
+    "QUInt4x2Storage": 1, "QUInt2x4Storage": 1,
+}
+SAFETENSORS_SIZES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
+    "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "C64": 8,
+}
+
+
+class FileCheck(NamedTuple):
+    ok: bool
+    reason: str
+
+
+class Quarantined(NamedTuple):
+    src: str
+    dst: str
+    reason: str
+
+
+class Skipped(NamedTuple):
+    path: str
+    reason: str
+
+
+class ValidationReport(Frozen):
+    outputs_dir: str
+    quarantine_dir: str
+    since_wall: float | None
+    dry_run: bool = False
+    scanned: int = 0  # files seen in the walk (any name, any age)
+    checked: int = 0  # files validated
+    valid: int = 0
+    quarantined: tuple[Quarantined, ...] = ()  # in a dry run: what would have been moved
+    skipped: tuple[Skipped, ...] = ()  # candidates not checked, and why
+    errors: tuple[str, ...] = ()  # broken files that could NOT be moved, walk errors
+    notes: tuple[str, ...] = ()  # worth knowing, not in the way of a resume
+    duration_s: float = 0.0
+
+    @property
+    def safe_to_resume(self) -> bool:
+        """Every candidate was checked and every broken one moved aside."""
+        return not self.errors and not self.skipped and not self.dry_run
+
+
+# ------------------------------------------------------------------------------ one file
+
+
+class _Stub:
+    """Base of what every global in a checked pickle becomes: a real class (NEWOBJ needs one)
+    whose instances accept any arguments, state and items, and do nothing."""
+
+    _module = _name = ""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        self._args = args
+
+    def __call__(self, *args: Any, **kw: Any) -> "_Stub":
+        return _Stub(*args)  # what a stub returned, called in turn (getattr(x, "f")(...))
+
+    def __setstate__(self, state: Any) -> None:
+        self._state = state
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, item: Any) -> None:
+        pass
+
+    def extend(self, items: Any) -> None:
+        pass
+
+
+class _InertUnpickler(pickle.Unpickler):
+    """Parses a pickle completely without importing or calling anything it names; collects
+    torch's storage references (persistent ids)."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        super().__init__(f)
+        self.storages: list[tuple[str, str, int]] = []  # (key, storage type name, numel)
+        self._classes: dict[tuple[str, str], type] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        key = (module, name)
+        cls = self._classes.get(key)
+        if cls is None:
+            cls = type("Stub", (_Stub,), {"_module": module, "_name": name})
+            self._classes[key] = cls
+        return cls
+
+    def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":
+            stype = pid[1]
+            tname = getattr(stype, "_name", None) or str(stype)
+            try:
+                self.storages.append((str(pid[2]), tname, int(pid[4])))
+            except (TypeError, ValueError):
+                pass
+        return _Stub()
+
+
+def _parse_pickle(f: IO[bytes]) -> tuple[Any, _InertUnpickler]:
+    u = _InertUnpickler(f)
+    return u.load(), u
+
+
+def _is_zip(head: bytes) -> bool:
+    return head[:4] in (b"PK\x03\x04", b"PK\x05\x06")
+
+
+def _check_zip(path: Path, size: int, torch_file: bool, crc_max_bytes: int | None) -> FileCheck:
+    try:
+        zf = zipfile.ZipFile(path)
+    except zipfile.BadZipFile as exc:
+        return FileCheck(False, f"zip archive not whole (truncated?): {exc}")
+    except (OSError, ValueError, EOFError) as exc:
+        return FileCheck(False, f"zip archive unreadable: {exc}")
+    with zf:
+        infos = zf.infolist()
+        start_dir = getattr(zf, "start_dir", size)
+        for info in infos:
+            # 30 bytes of local header + name: the member's data must end before the directory.
+            if info.header_offset + 30 + len(info.filename) + info.compress_size > start_dir:
+                return FileCheck(False, f"member {info.filename!r} runs past the central "
+                                        "directory")
+        notes = []
+        if torch_file:
+            pkls = [i for i in infos if i.filename.endswith("data.pkl")]
+            if not pkls:
+                return FileCheck(False, "zip archive without data.pkl: not a torch.save file")
+            pkl = min(pkls, key=lambda i: i.filename.count("/"))
+            prefix = pkl.filename[: -len("data.pkl")]
+            if pkl.file_size > PICKLE_MAX_BYTES:
+                notes.append(f"data.pkl is {pkl.file_size} bytes: not parsed")
+            else:
+                try:
+                    with zf.open(pkl) as f:
+                        _, u = _parse_pickle(f)
+                except Exception as exc:
+                    return FileCheck(False, f"data.pkl does not parse: {type(exc).__name__}: "
+                                            f"{exc}")
+                members = {i.filename: i for i in infos}
+                for key, tname, numel in u.storages:
+                    m = members.get(f"{prefix}data/{key}")
+                    if m is None:
+                        return FileCheck(False, f"storage {key} missing from the archive")
+                    elem = ELEMENT_SIZES.get(tname)
+                    if elem is not None and m.file_size != numel * elem:
+                        return FileCheck(False, f"storage {key} holds {m.file_size} bytes, "
+                                                f"{numel} x {tname} needs {numel * elem}")
+        total = sum(i.file_size for i in infos)
+        if crc_max_bytes is not None and total > crc_max_bytes:
+            notes.append(f"CRC not checked: {total} bytes of members > {crc_max_bytes}")
+        else:
+            for info in infos:
+                try:
+                    with zf.open(info) as f:
+                        while f.read(1 << 20):
+                            pass  # ZipExtFile compares the CRC-32 at the end of the member
+                except zipfile.BadZipFile as exc:
+                    return FileCheck(False, f"member {info.filename!r}: {exc}")
+                except (OSError, EOFError, ValueError, zipfile.LargeZipFile) as exc:
+                    return FileCheck(False, f"member {info.filename!r} unreadable: {exc}")
+        what = "torch zip archive" if torch_file else "zip archive"
+        return FileCheck(True, f"{what} whole, {len(infos)} members"
+                               + (f"; {'; '.join(notes)}" if notes else ""))
+
+
+def _check_legacy_torch(path: Path, size: int) -> FileCheck:
+    try:
+        with open(path, "rb") as f:
+            try:
+                magic, _ = _parse_pickle(f)
+            except Exception as exc:
+                return FileCheck(False, f"neither a zip archive nor a pickle: {exc}")
+            if magic != LEGACY_MAGIC:
+                return FileCheck(False, "a pickle without torch's magic number: not a "
+                                        "torch.save file")
+            try:
+                for _ in range(2):  # protocol version, sys_info
+                    _parse_pickle(f)
+                _, u = _parse_pickle(f)  # the object
+                keys, _ = _parse_pickle(f)  # storage keys, in the order of the data
+            except Exception as exc:
+                return FileCheck(False, f"legacy torch file cut inside its pickles: "
+                                        f"{type(exc).__name__}: {exc}")
+            pos = f.tell()
+    except OSError as exc:
+        return FileCheck(False, f"unreadable: {exc}")
+    by_key = {k: (t, n) for k, t, n in u.storages}
+    if not isinstance(keys, list) or any(k not in by_key for k in keys):
+        return FileCheck(False, "legacy torch file: storage keys do not match its object")
+    expected = pos
+    for k in keys:
+        tname, numel = by_key[k]
+        elem = ELEMENT_SIZES.get(tname)
+        if elem is None:
+            return FileCheck(True, f"legacy torch file: pickles whole; length not checked "
+                                   f"({tname} unknown)")
+        expected += 8 + numel * elem
+    if size != expected:
+        return FileCheck(False, f"legacy torch file is {size} bytes, its storages need "
+                                f"{expected}")
+    return FileCheck(True, f"legacy torch file whole, {len(keys)} storages")
+
+
+def _check_safetensors(path: Path, size: int) -> FileCheck:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                return FileCheck(False, f"safetensors file of {size} bytes has no header")
+            (n,) = struct.unpack("<Q", raw)
+            if n > min(size - 8, 100 << 20):
+                return FileCheck(False, f"safetensors header length {n} exceeds the file")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as exc:
+        return FileCheck(False, f"safetensors header unreadable: {exc}")
+    if not isinstance(header, dict):
+        return FileCheck(False, "safetensors header is not an object")
+    data = size - 8 - n
+    end = 0
+    try:
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            b, e = (int(x) for x in t["data_offsets"])
+            elem = SAFETENSORS_SIZES.get(t["dtype"])
+            numel = 1
+            for d in t["shape"]:
+                numel *= int(d)
+            if not 0 <= b <= e or (elem is not None and e - b != numel * elem):
+                return FileCheck(False, f"tensor {name!r}: bad byte range {b}..{e}")
+            end = max(end, e)
+    except (KeyError, TypeError, ValueError) as exc:
+        return FileCheck(False, f"safetensors header malformed: {exc}")
+    if end != data:
+        return FileCheck(False, f"safetensors data is {data} bytes, its tensors need {end}")
+    return FileCheck(True, f"safetensors whole, {len(header)} entries")
+
+
+_torch_mod: Any = None
+
+
+def _torch() -> Any:
+    global _torch_mod
+    if _torch_mod is None:
+        if importlib.util.find_spec("torch") is None:
+            _torch_mod = False
+        else:
+            import torch  # optional: the final word when installed (several seconds to import)
+            _torch_mod = torch
+    return _torch_mod or None
+
+
+def _torch_load(path: Path, structural: FileCheck) -> FileCheck:
+    torch = _torch()
+    try:
+        torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "Weights only load failed" in str(exc) and structural.ok:
+            return FileCheck(True, f"{structural.reason}; torch.load(weights_only=True) refused "
+                                   "one of its classes (the file itself is whole)")
+        return FileCheck(False, f"torch.load failed: {type(exc).__name__}: {msg[:300]}")
+    return FileCheck(True, f"{structural.reason}; torch.load ok")
+
+
+def validate_file(path: str | os.PathLike[str], *, crc_max_bytes: int | None = CRC_MAX_BYTES,
+                  use_torch: bool | None = None) -> FileCheck:
+    """(ok, reason) for one output file. use_torch: None = when importable, False = never,
+    True = when importable, noting its absence. Reads only this file; never raises for a bad
+    file (an OSError reading it is a reason)."""
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        return FileCheck(False, "missing")
+    except OSError as exc:
+        return FileCheck(False, f"cannot stat: {exc}")
+    if not _stat.S_ISREG(st.st_mode):
+        return FileCheck(False, "not a regular file")
+    if st.st_size == 0:
+        return FileCheck(False, "empty: 0 bytes (killed before its first write)")
+    try:
+        with open(p, "rb") as f:
+            head = f.read(8)
+    except OSError as exc:
+        return FileCheck(False, f"unreadable: {exc}")
+    suffix = p.suffix.lower()
+    torch_file = suffix in TORCH_SUFFIXES
+    if suffix == ".safetensors":
+        return _check_safetensors(p, st.st_size)
+    if _is_zip(head):
+        res = _check_zip(p, st.st_size, torch_file, crc_max_bytes)
+    elif torch_file:
+        res = _check_legacy_torch(p, st.st_size)
+    else:
+        return FileCheck(True, f"{st.st_size} bytes; type not known, only non-emptiness checked")
+    if torch_file and res.ok and use_torch is not False:
+        if _torch() is not None:
+            return _torch_load(p, res)
+        if use_torch:
+            return FileCheck(True, f"{res.reason}; torch not installed: not loaded")
+    return res
+
+
+# --------------------------------------------------------------------------- quarantine
+
+
+def _unique_names(name: str) -> Iterable[str]:
+    yield name
+    for n in range(1, 100_000):
+        yield f"{name}.{n}"
+
+
+def _copy_verified(src: Path, dst: Path) -> None:
+    """Copy to a new file (never an existing one), fsync, re-read and compare; the source is
+    untouched. Raises FileExistsError when dst exists, OSError when the copy is not exact."""
+    h_src = hashlib.sha256()
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with open(src, "rb") as fin, os.fdopen(fd, "wb") as fout:
+            while chunk := fin.read(1 << 20):
+                h_src.update(chunk)
+                fout.write(chunk)
+            fout.flush()
+            os.fsync(fout.fileno())
+        h_dst = hashlib.sha256()
+        with open(dst, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h_dst.update(chunk)
+        if h_dst.digest() != h_src.digest() or os.stat(dst).st_size != os.stat(src).st_size:
+            raise OSError(errno.EIO, f"copy of {src} to {dst} differs from the original")
+    except BaseException:
+        # Our own partial copy, never the user's file: removing it loses nothing.
+        try:
+            os.unlink(dst)
+        except OSError:
+            pass
+        raise
+
+
+def quarantine_file(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
+    """Move src to dst, or to dst.1, dst.2 ... when taken; returns where it went.
+
+    Never overwrites and never deletes: within one filesystem a hard link to the new name
+    (link(2) fails rather than replace) then unlink of the old, so at every moment the file
+    exists under at least one name; across filesystems a copy into a new file, fsync, compare,
+    and only then unlink of the original. A filesystem without hard links gets rename(2) after
+    a check that the name is free (a race with another writer of the quarantine is possible
+    there, and only there)."""
+    src, dst = Path(src), Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    for name in _unique_names(dst.name):
+        cand = dst.parent / name
+        try:
+            os.link(src, cand, follow_symlinks=False)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            if exc.errno == errno.EXDEV:
+                try:
+                    _copy_verified(src, cand)
+                except FileExistsError:
+                    continue
+            elif exc.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                if os.path.lexists(cand):
+                    continue
+                os.rename(src, cand)
+                return cand
+            else:
+                raise
+        os.unlink(src)
+        return cand
+    raise FileExistsError(f"no free name for {dst}")
+
+
+# ------------------------------------------------------------------------------ the tree
+
+
+def _matches(name: str, patterns: Collection[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _same_dir(a: Path, b_ident: tuple[int, int] | None) -> bool:
+    if b_ident is None:
+        return False
+    try:
+        st = os.stat(a)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == b_ident
+
+
+def validate_outputs(
+    outputs_dir: str | os.PathLike[str],
+    since_wall: float | None,
+    quarantine_dir: str | os.PathLike[str],
+    *,
+    patterns: Collection[str] = DEFAULT_PATTERNS,
+    max_files: int = 10_000,
+    open_paths: Collection[str | os.PathLike[str]] = (),
+    candidates: Iterable[str | os.PathLike[str]] = (),
+    dry_run: bool = False,
+    budget_s: float | None = None,
+    clock: Clock = SYSTEM_CLOCK,
+    check: Callable[[Path], FileCheck] | None = None,
+    crc_max_bytes: int | None = CRC_MAX_BYTES,
+    use_torch: bool | None = None,
+) -> ValidationReport:
+    """Check the outputs written at or after `since_wall` (mtime; None: all) and move the broken
+    ones to `quarantine_dir`, keeping their path relative to `outputs_dir`.
+
+    This blocks on the outputs filesystem: run it in a worker with a deadline, after the kill is
+    `done`, never on the daemon's tick. It walks the whole tree (one stat per name that matches a
+    pattern) but validates only recent files, newest first, at most `max_files` of them and
+    within `budget_s`; `candidates` (e.g. the files the job had open for writing when it was
+    killed) are checked whatever their age. Files in `open_paths` (open for writing by a live
+    process) are skipped: moving a file under its writer helps nobody. A quarantine folder inside
+    the outputs tree is left out of the walk. Anything skipped makes the report not
+    `safe_to_resume`.
+    """
+    t0 = clock.monotonic()
+    out_dir = Path(outputs_dir)
+    qdir = Path(quarantine_dir)
+    check = check or (lambda p: validate_file(p, crc_max_bytes=crc_max_bytes, use_torch=use_torch))
+    errors: list[str] = []
+    notes: list[str] = []
+    skipped: list[Skipped] = []
+    quarantined: list[Quarantined] = []
+    try:
+        qst = os.stat(qdir)
+        q_ident: tuple[int, int] | None = (qst.st_dev, qst.st_ino)
+    except OSError:
+        q_ident = None
+    q_real = os.path.realpath(qdir)
+
+    found: dict[str, float] = {}  # path -> mtime
+    scanned = 0
+
+    def on_error(exc: OSError) -> None:
+        if isinstance(exc, FileNotFoundError) and exc.filename == str(out_dir):
+            notes.append(f"{out_dir} does not exist: nothing was written, nothing to check")
+        elif not isinstance(exc, FileNotFoundError):  # a directory removed during the walk
+            errors.append(f"walk: {exc}")
+
+    for dirpath, dirnames, filenames in os.walk(out_dir, onerror=on_error):
+        dirnames[:] = [d for d in dirnames
+                       if not _same_dir(Path(dirpath) / d, q_ident)
+                       and os.path.realpath(Path(dirpath) / d) != q_real]
+        for name in filenames:
+            scanned += 1
+            if not _matches(name, patterns):
+                continue
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(path)
+            except OSError as exc:
+                if not isinstance(exc, FileNotFoundError):
+                    errors.append(f"stat {path}: {exc}")
+                continue
+            if not _stat.S_ISREG(st.st_mode):
+                continue  # symlinks are not outputs the job wrote
+            if since_wall is None or st.st_mtime >= since_wall:
+                found[path] = st.st_mtime
+    out_real = os.path.realpath(out_dir)
+    for c in candidates:
+        path = os.path.abspath(c)
+        if not os.path.realpath(path).startswith(out_real + os.sep):
+            skipped.append(Skipped(str(c), "outside the outputs directory: not touched"))
+            continue
+        try:
+            found.setdefault(path, os.lstat(path).st_mtime)
+        except FileNotFoundError:
+            continue  # never written: the resume writes it
+        except OSError as exc:
+            errors.append(f"stat {path}: {exc}")
+
+    open_real = {os.path.realpath(p) for p in open_paths}
+    order = sorted(found, key=lambda p: (-found[p], p))  # newest first: likeliest broken
+    checked = valid = 0
+    for i, path in enumerate(order):
+        if i >= max_files:
+            skipped.extend(Skipped(p, f"over max_files={max_files}") for p in order[i:])
+            break
+        if budget_s is not None and clock.monotonic() - t0 > budget_s:
+            skipped.extend(Skipped(p, f"over the time budget of {budget_s:g} s")
+                           for p in order[i:])
+            break
+        if os.path.realpath(path) in open_real:
+            skipped.append(Skipped(path, "open for writing by a live process"))
+            continue
+        try:
+            ok, reason = check(Path(path))
+        except Exception as exc:  # a checker bug must not stop the others
+            ok, reason = False, f"check failed: {type(exc).__name__}: {exc}"
+        checked += 1
+        if ok:
+            valid += 1
+            continue
+        rel = os.path.relpath(path, out_dir)
+        dst = qdir / rel
+        if dry_run:
+            quarantined.append(Quarantined(path, str(dst), reason))
+            continue
+        try:
+            moved = quarantine_file(path, dst)
+        except OSError as exc:
+            errors.append(f"{path} is broken ({reason}) but could not be quarantined: {exc}")
+            continue
+        quarantined.append(Quarantined(path, str(moved), reason))
+        _manifest(qdir, path, moved, reason, clock, notes)
+    return ValidationReport(
+        outputs_dir=str(out_dir), quarantine_dir=str(qdir), since_wall=since_wall,
+        dry_run=dry_run, scanned=scanned, checked=checked, valid=valid,
+        quarantined=tuple(quarantined), skipped=tuple(skipped), errors=tuple(errors),
+        notes=tuple(notes), duration_s=clock.monotonic() - t0,
+    )
+
+
+def _manifest(qdir: Path, src: str, dst: Path, reason: str, clock: Clock,
+              notes: list[str]) -> None:
+    """One JSON line per moved file, so a person finds out later why it is there."""
+    try:
+        with open(qdir / MANIFEST, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"at": clock.time(), "src": src, "dst": str(dst),
+                                "reason": reason}) + "\n")
+    except OSError as exc:
+        notes.append(f"manifest not written for {dst}: {exc}")
