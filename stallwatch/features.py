@@ -27,6 +27,9 @@ STALL_CEILING_S = 4 * 3600.0
 STALL_DEFAULT_S = 120.0  # progress seen but no cadence learned yet
 CADENCE_P90_FACTOR = 5.0
 CADENCE_MAX_FACTOR = 2.0
+# Intervals timed by the log probe before a learned cadence may lower the threshold: one or two
+# can be a burst of lines straddling a tick (a 5-minute job once read as a 0.2 s "cadence").
+CADENCE_MIN_SAMPLES = 5
 
 # How recent a sign of work must be to count as "working without log progress" (a checkpoint
 # write moves I/O counters and output files while the progress line stands still).
@@ -50,6 +53,16 @@ def stall_threshold_s(snap: Snapshot) -> tuple[float, str]:
             return min(t, STALL_CEILING_S), f"from the rate {rate:.3g}/s"
         return STALL_DEFAULT_S, "default (cadence not learned yet)"
     t = max(STALL_FLOOR_S, CADENCE_P90_FACTOR * c.p90_s, CADENCE_MAX_FACTOR * c.max_s)
+    if c.source == "observed" and c.samples < CADENCE_MIN_SAMPLES:
+        # A few intervals we timed ourselves may be one burst of lines (a batch logging each
+        # item): they may raise the threshold, never lower it below tqdm's rate or the default.
+        rate = log.tqdm_rate_per_s
+        if rate and rate > 0:
+            low, why = max(STALL_FLOOR_S, CADENCE_P90_FACTOR * 2.0 / rate), f"from the rate {rate:.3g}/s"
+        else:
+            low, why = STALL_DEFAULT_S, "default"
+        if t < low:
+            return min(low, STALL_CEILING_S), f"{why} ({c.samples} intervals are too few to trust {t:.3g} s)"
     return min(t, STALL_CEILING_S), f"5 × p90 {c.p90_s:.3g} s, 2 × max {c.max_s:.3g} s of {c.samples} intervals"
 
 
@@ -328,6 +341,7 @@ def _server(snap: Snapshot) -> dict[str, Any]:
         "health_overdue": bool(h and h.overdue),
         "health_in_flight_s": (h.in_flight_for_s or 0.0) if h else 0.0,
         "health_status": float(h.status_code) if h and h.status_code else -1.0,
+        "health_error": (h.error or "") if h else "",  # why it failed: a timeout has no status
         "info_overdue": bool(info and (info.overdue or info.timed_out)),
         "metrics_ok": bool(m and m.ok),
         "gen_tokens_per_s": gen if gen is not None else -1.0,

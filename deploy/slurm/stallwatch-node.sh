@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# One stallwatch per node inside a Slurm allocation: it starts this node's share of the work,
+# watches it, alerts, restarts it on a crash or hang, and exits when the work is finished.
+# Launched once per node by srun (see extract.sbatch next to this file):
+#
+#   srun --ntasks-per-node=1 deploy/slurm/stallwatch-node.sh python extract.py --shard {shard} --of {shards}
+#
+# {shard} and {shards} in the command become $SLURM_NODEID and $SLURM_JOB_NUM_NODES.
+# Settings (environment):
+#   STALLWATCH          the stallwatch executable            (default: stallwatch on PATH)
+#   STALLWATCH_WORKDIR  logs and state of this node          (default: $PWD/stallwatch/$SLURM_JOB_ID/<host>)
+#   STALLWATCH_OUTPUTS  the outputs directory of this node   (optional)
+#   STALLWATCH_METRICS  metrics_listen; empty: no endpoint   (default: 127.0.0.1:9835)
+#   STALLWATCH_TEXTFILE metrics_textfile: node_exporter's textfile directory or a *.prom path
+#                       (optional; name the file per job if several jobs share a node)
+#   STALLWATCH_MAX_RESTARTS                                  (default: 3)
+#   STALLWATCH_ALERT_WEBHOOK  a webhook URL for alerts       (optional)
+#   STALLWATCH_POLL_S   how often to ask whether the job has finished (default: 15)
+#   --print-config      print this node's configuration and exit (a dry run)
+set -euo pipefail
+
+print_only=0
+if [ "${1:-}" = "--print-config" ]; then print_only=1; shift; fi
+if [ "$#" -eq 0 ]; then
+  echo "usage: $0 [--print-config] COMMAND [ARG]..." >&2
+  exit 3
+fi
+
+: "${SLURM_JOB_ID:?run me under Slurm (srun), or set SLURM_JOB_ID, SLURM_NODEID, SLURM_JOB_NUM_NODES}"
+node_id="${SLURM_NODEID:-0}"
+nodes="${SLURM_JOB_NUM_NODES:-1}"
+host="$(hostname -s)"
+stallwatch="${STALLWATCH:-stallwatch}"
+workdir="${STALLWATCH_WORKDIR:-$PWD/stallwatch/$SLURM_JOB_ID/$host}"
+metrics="${STALLWATCH_METRICS-127.0.0.1:9835}"
+max_restarts="${STALLWATCH_MAX_RESTARTS:-3}"
+mkdir -p "$workdir"
+
+# TOML basic strings: escape backslashes, double quotes, and newlines, tabs, carriage returns.
+toml() {
+  local s="${1//\\/\\\\}"
+  s="${s//\"/\\\"}"
+  s="${s//$'\n'/\\n}"
+  s="${s//$'\t'/\\t}"
+  s="${s//$'\r'/\\r}"
+  printf '"%s"' "$s"
+}
+
+cmd=""
+for a in "$@"; do
+  a="${a//\{shard\}/$node_id}"
+  a="${a//\{shards\}/$nodes}"
+  cmd+="${cmd:+, }$(toml "$a")"
+done
+
+config="$workdir/stallwatch.toml"
+{
+  echo "# written by $0 for Slurm job $SLURM_JOB_ID, node $node_id of $nodes ($host)"
+  echo "[daemon]"
+  echo "interval_s = 1.0"
+  echo "state_dir = $(toml "$workdir/state")"
+  if [ -n "$metrics" ]; then echo "metrics_listen = $(toml "$metrics")"; fi
+  if [ -n "${STALLWATCH_TEXTFILE:-}" ]; then echo "metrics_textfile = $(toml "$STALLWATCH_TEXTFILE")"; fi
+  echo
+  echo "[[job]]"
+  echo "name = $(toml "${SLURM_JOB_NAME:-job}-$node_id")"
+  echo "command = [$cmd]"
+  echo "cwd = $(toml "$PWD")"
+  echo "log = $(toml "$workdir/job.log")"
+  if [ -n "${STALLWATCH_OUTPUTS:-}" ]; then echo "outputs = $(toml "$STALLWATCH_OUTPUTS")"; fi
+  echo 'restart = "on-failure"'
+  echo "max_restarts = $max_restarts"
+  if [ -n "${STALLWATCH_ALERT_WEBHOOK:-}" ]; then
+    echo
+    echo "[[alert]]"
+    echo 'type = "webhook"'
+    echo "url = $(toml "$STALLWATCH_ALERT_WEBHOOK")"
+  fi
+} > "$config.tmp"
+chmod 600 "$config.tmp"
+mv "$config.tmp" "$config"
+
+if [ "$print_only" = 1 ]; then
+  cat "$config"
+  exit 0
+fi
+
+# The daemon runs until this node's job has finished (or stallwatch gave up on it), then stops.
+"$stallwatch" run --config "$config" &
+daemon=$!
+trap 'kill -TERM "$daemon" 2>/dev/null; wait "$daemon"; exit 143' TERM INT
+
+# 0: finished, 1: stopped for good (stallwatch gave up, or restart = "no"), 2: still going.
+phase() {
+  local out
+  # status exits like a Nagios check (2 for a crash verdict ...): read its JSON whatever the code
+  out="$("$stallwatch" status --config "$config" --json 2>/dev/null)" || true
+  printf '%s' "$out" | python3 -c '
+import json, sys
+try:
+    jobs = json.load(sys.stdin)["jobs"]
+except Exception:
+    print(2); sys.exit()
+j = jobs[0] if jobs else {}
+kind = (j.get("verdict") or {}).get("kind")
+phase = j.get("phase") or j.get("state")
+if phase == "finished" or kind == "finished":
+    print(0)
+elif phase in ("stopped", "gave_up"):
+    print(1)
+else:
+    print(2)' || echo 2
+}
+
+rc=2
+while kill -0 "$daemon" 2>/dev/null; do
+  sleep "${STALLWATCH_POLL_S:-15}" &
+  wait $! || true
+  rc="$(phase)"
+  [ "$rc" = 2 ] || break
+done
+kill -TERM "$daemon" 2>/dev/null || true
+wait "$daemon" || true
+case "$rc" in
+  0) echo "stallwatch-node: $host: the job finished" >&2 ;;
+  *) rc=1; echo "stallwatch-node: $host: the job did not finish (see $workdir)" >&2 ;;
+esac
+exit "$rc"

@@ -1,0 +1,875 @@
+"""Fleet metrics: stallwatch's state as Prometheus metrics, over HTTP or as a node_exporter textfile.
+
+The daemon hands the exporter its *latest views* once per tick (`MetricsExporter.update`): one
+`JobView` per configured job and one `DaemonView`. A custom collector renders every scrape from
+those views only, so a job that disappears from the list disappears from the output at once — no
+stale series linger, nothing is ever `.remove()`d by hand. The exporter has its own
+`CollectorRegistry` (never prometheus_client's global one), so importing stallwatch into another
+program adds nothing to that program's metrics, and two exporters in one process (tests) do not
+collide.
+
+Counters (restarts, incidents, probe runs, rule errors, alert deliveries) are cumulative values the
+daemon keeps (restarts and incidents come from its SQLite state, so they survive a daemon
+restart); `DaemonStats` is a small thread-safe accumulator for the daemon-wide ones, tick
+histogram included, that produces a `DaemonView`.
+
+No label carries a pid (a pid changes on every restart: unbounded series). Label sets are bounded
+by the configuration (job names, sinks, probes) and the hardware (GPUs).
+
+See docs/fleet.md for the metric list, scrape configuration, alert rules and dashboards.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import math
+import os
+import platform
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from stallwatch import __version__
+
+log = logging.getLogger("stallwatch.metrics")
+
+# The contract's fixed verdict vocabulary (DESIGN.md). `stallwatch_job_verdict` has one series
+# per kind per job: 1 for the current kind, 0 for every other.
+VERDICT_KINDS: tuple[str, ...] = ("healthy", "slow", "hang", "io_stall", "server_hang",
+                                  "server_down", "crash", "gpu_fault", "disk_full", "finished",
+                                  "unknown")
+# The kinds an incident can have: counters start at 0 for each of these, so that Prometheus'
+# increase() sees the first incident (a counter born at 1 hides its first increment).
+INCIDENT_KINDS: tuple[str, ...] = tuple(k for k in VERDICT_KINDS
+                                        if k not in ("healthy", "finished", "unknown"))
+# A job's lifecycle state (`stallwatch_job_state{job,state}`): the daemon's job phases, plus
+# gave_up (a phase "stopped" whose restart budget is spent):
+#   new         configured, not started yet       starting    supervised, being spawned
+#   running     supervised, its process is alive  attached    started elsewhere, watched only
+#   recovering  kill → wait → validate → backoff → restart in progress
+#   stopped     not running and not restarted (exited, restart = "no", cannot start)
+#   finished    exited with code 0                gave_up     left stopped: the budget is spent
+JOB_STATES: tuple[str, ...] = ("new", "starting", "running", "attached", "recovering", "stopped",
+                               "finished", "gave_up")
+PROBE_STATUSES: tuple[str, ...] = ("ok", "absent", "denied", "error", "timeout", "busy")
+DELIVERY_RESULTS: tuple[str, ...] = ("success", "failure")
+# Tick durations: a healthy tick takes milliseconds; the default tick deadline is 30 s.
+TICK_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                                   30.0)
+
+DEFAULT_PORT = 9835
+TEXTFILE_NAME = "stallwatch.prom"
+DEFAULT_TEXTFILE_INTERVAL_S = 10.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Views: what the daemon hands over each tick. Frozen; unknown numbers are None, never -1/NaN.
+
+
+class _View(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def _known(v: Any) -> float | None:
+    """None for unknown: None, NaN, ±inf, and the negative sentinels features.py uses (-1)."""
+    if v is None or isinstance(v, bool):
+        return None
+    v = float(v)
+    if not math.isfinite(v) or v < 0:
+        return None
+    return v
+
+
+class JobGpu(_View):
+    """A GPU the job holds memory on (from NVML's process list joined with the job's pids)."""
+    index: int
+    uuid: str = ""
+    used_bytes: int | None = None
+
+
+class JobView(_View):
+    name: str = Field(min_length=1)
+    kind: str = "unknown"  # the current verdict kind
+    state: str = "running"  # one of JOB_STATES
+    done: float | None = None
+    total: float | None = None
+    rate_per_s: float | None = None
+    eta_s: float | None = None
+    last_progress_timestamp_s: float | None = None  # Unix seconds of the last progress change
+    restarts: int = Field(default=0, ge=0)  # completed restarts, cumulative
+    max_restarts: int | None = Field(default=None, ge=0)  # the budget; None: restart = "no"
+    incidents: dict[str, int] = Field(default_factory=dict)  # kind -> incidents so far
+    gpus: tuple[JobGpu, ...] = ()
+
+    @field_validator("kind")
+    @classmethod
+    def _kind(cls, v: str) -> str:
+        if v not in VERDICT_KINDS:
+            raise ValueError(f"verdict kind {v!r} is not one of {', '.join(VERDICT_KINDS)}")
+        return v
+
+    @field_validator("state")
+    @classmethod
+    def _state(cls, v: str) -> str:
+        if v not in JOB_STATES:
+            raise ValueError(f"job state {v!r} is not one of {', '.join(JOB_STATES)}")
+        return v
+
+    @field_validator("incidents")
+    @classmethod
+    def _incidents(cls, v: dict[str, int]) -> dict[str, int]:
+        for k, n in v.items():
+            if k not in VERDICT_KINDS:
+                raise ValueError(f"incident kind {k!r} is not one of {', '.join(VERDICT_KINDS)}")
+            if n < 0:
+                raise ValueError(f"incident count for {k!r} is negative")
+        return v
+
+    @field_validator("done", "total", "rate_per_s", "eta_s", "last_progress_timestamp_s",
+                     mode="before")
+    @classmethod
+    def _num(cls, v: Any) -> float | None:
+        return _known(v)
+
+    @classmethod
+    def from_snapshot(cls, name: str, snap: Any | None, *, kind: str = "unknown",
+                      state: str = "running", restarts: int = 0,
+                      max_restarts: int | None = None,
+                      incidents: Mapping[str, int] | None = None) -> JobView:
+        """Progress and GPU memory from the job's latest Snapshot; the rest from the daemon.
+
+        `snap` is a stallwatch.snapshot.Snapshot (or None before the first tick)."""
+        done = total = rate = eta = last_ts = None
+        gpus: tuple[JobGpu, ...] = ()
+        if snap is not None:
+            lg = snap.log
+            pr = lg.progress if lg is not None else None
+            if pr is not None:
+                done = pr.done
+                total = pr.total or None
+                rate = lg.rate_per_s if lg.rate_per_s is not None else lg.tqdm_rate_per_s
+                eta = lg.eta_s
+                if lg.idle_s is not None:
+                    last_ts = snap.t_wall - lg.idle_s
+            pids = {p.pid for p in snap.processes.processes} if snap.processes else set()
+            gpus = job_gpus(snap.gpu, pids)
+        return cls(name=name, kind=kind, state=state, done=done, total=total, rate_per_s=rate,
+                   eta_s=eta, last_progress_timestamp_s=last_ts, restarts=restarts,
+                   max_restarts=max_restarts, incidents=dict(incidents or {}), gpus=gpus)
+
+
+class GpuView(_View):
+    index: int
+    uuid: str = ""
+    name: str = ""
+    utilization_ratio: float | None = None  # 0..1 (NVML's utilisation.gpu / 100)
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    lost: bool = False  # fell off the bus / needs a reset
+
+    @classmethod
+    def from_obs(cls, obs: Any | None) -> tuple[GpuView, ...]:
+        """Every device of a stallwatch.probes.gpu.GpuObs (empty without a GPU or driver)."""
+        if obs is None:
+            return ()
+        out = []
+        for d in obs.devices:
+            util = d.util_gpu_pct / 100.0 if d.util_gpu_pct is not None else None
+            out.append(cls(index=d.index, uuid=d.uuid or "", name=d.name or "",
+                           utilization_ratio=util, memory_used_bytes=d.mem_used_bytes,
+                           memory_total_bytes=d.mem_total_bytes, lost=d.lost))
+        return tuple(out)
+
+
+def job_gpus(obs: Any | None, pids: Iterable[int]) -> tuple[JobGpu, ...]:
+    """The GPUs where any of `pids` holds memory, with the bytes summed per GPU."""
+    if obs is None:
+        return ()
+    pids = set(pids)
+    out = []
+    for d in obs.devices:
+        mine = [p for p in (d.processes or ()) if p.pid in pids]
+        if not mine:
+            continue
+        known = [p.used_bytes for p in mine if p.used_bytes is not None]
+        out.append(JobGpu(index=d.index, uuid=d.uuid or "", used_bytes=sum(known) if known else None))
+    return tuple(out)
+
+
+class HistogramView(_View):
+    bounds: tuple[float, ...]  # upper bounds, ascending, without +Inf
+    counts: tuple[int, ...]  # per bucket, NOT cumulative; one more than bounds (the +Inf bucket)
+    sum: float = 0.0
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+
+class DaemonView(_View):
+    version: str = __version__
+    started_at: float | None = None  # Unix seconds
+    interval_s: float | None = None  # the configured tick interval
+    last_tick_at: float | None = None  # Unix seconds of the end of the last tick
+    tick_duration_s: float | None = None  # the last tick's
+    tick_histogram: HistogramView | None = None
+    probe_runs: dict[str, dict[str, int]] = Field(default_factory=dict)  # probe -> status -> n
+    probe_duration_s: dict[str, float] = Field(default_factory=dict)  # probe -> its last duration
+    rule_evaluation_errors: int = Field(default=0, ge=0)
+    alert_deliveries: dict[str, dict[str, int]] = Field(default_factory=dict)  # sink -> result -> n
+    gpus: tuple[GpuView, ...] = ()  # the host's GPUs (host-wide, not per job)
+
+
+class DaemonStats:
+    """The daemon-wide counters, accumulated as things happen; `view()` makes a DaemonView.
+
+    Thread-safe: alert sinks deliver on their own threads.
+
+        stats = DaemonStats(interval_s=cfg.daemon.interval_s, sinks=[a.type for a in cfg.alert])
+        ... each tick:   stats.tick(duration_s, [r for s in snapshots for r in s.probes])
+        ... on a rule error: stats.rule_error()
+        ... after a delivery attempt: stats.delivery(sink.type, ok)
+        exporter.update(job_views, stats.view(gpus=GpuView.from_obs(snap.gpu)))
+    """
+
+    def __init__(self, *, interval_s: float | None = None, sinks: Iterable[str] = (),
+                 buckets: Sequence[float] = TICK_BUCKETS, version: str = __version__,
+                 clock: Any = None) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.version = version
+        self.interval_s = interval_s
+        self.started_at = self._now()
+        self._bounds = tuple(sorted(float(b) for b in buckets))
+        self._counts = [0] * (len(self._bounds) + 1)
+        self._sum = 0.0
+        self._last_tick_at: float | None = None
+        self._last_tick_s: float | None = None
+        self._probe_runs: dict[str, dict[str, int]] = {}
+        self._probe_dur: dict[str, float] = {}
+        self._rule_errors = 0
+        # Every configured sink starts at 0 for both results, for increase().
+        self._deliveries: dict[str, dict[str, int]] = {
+            s: {r: 0 for r in DELIVERY_RESULTS} for s in sinks}
+
+    def _now(self) -> float:
+        return self._clock.time() if self._clock is not None else time.time()
+
+    def tick(self, duration_s: float, reports: Iterable[Any] = (), at: float | None = None) -> None:
+        """One tick done: its duration and the ProbeReports of every snapshot it took."""
+        with self._lock:
+            d = max(0.0, float(duration_s))
+            i = next((i for i, b in enumerate(self._bounds) if d <= b), len(self._bounds))
+            self._counts[i] += 1
+            self._sum += d
+            self._last_tick_s = d
+            self._last_tick_at = at if at is not None else self._now()
+        self.probes(reports)
+
+    def probes(self, reports: Iterable[Any]) -> None:
+        with self._lock:
+            for r in reports:
+                status = getattr(r.status, "value", r.status)
+                by = self._probe_runs.setdefault(r.name, {s: 0 for s in PROBE_STATUSES})
+                by[status] = by.get(status, 0) + 1
+                self._probe_dur[r.name] = float(r.duration_s)
+
+    def rule_error(self, n: int = 1) -> None:
+        with self._lock:
+            self._rule_errors += n
+
+    def delivery(self, sink: str, ok: bool) -> None:
+        with self._lock:
+            by = self._deliveries.setdefault(sink, {r: 0 for r in DELIVERY_RESULTS})
+            by["success" if ok else "failure"] += 1
+
+    def view(self, gpus: Sequence[GpuView] = ()) -> DaemonView:
+        with self._lock:
+            hist = HistogramView(bounds=self._bounds, counts=tuple(self._counts), sum=self._sum)
+            return DaemonView(
+                version=self.version, started_at=self.started_at, interval_s=self.interval_s,
+                last_tick_at=self._last_tick_at, tick_duration_s=self._last_tick_s,
+                tick_histogram=hist,
+                probe_runs={k: dict(v) for k, v in self._probe_runs.items()},
+                probe_duration_s=dict(self._probe_dur),
+                rule_evaluation_errors=self._rule_errors,
+                alert_deliveries={k: dict(v) for k, v in self._deliveries.items()},
+                gpus=tuple(gpus))
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+
+
+GPU_LABELS = ("gpu", "uuid", "name")
+
+
+def families(jobs: Sequence[JobView], daemon: DaemonView | None) -> list[Metric]:
+    """Every metric family for these views: a pure function (the collector and the tests)."""
+    J = ["job"]
+    verdict = GaugeMetricFamily("stallwatch_job_verdict",
+                                "1 for the job's current verdict kind, 0 for every other kind.",
+                                labels=J + ["kind"])
+    state = GaugeMetricFamily("stallwatch_job_state",
+                              "1 for the job's current lifecycle state, 0 for every other state.",
+                              labels=J + ["state"])
+    done = GaugeMetricFamily("stallwatch_job_progress_done",
+                             "Items done, from the job's progress log.", labels=J)
+    total = GaugeMetricFamily("stallwatch_job_progress_total",
+                              "Items in all, from the job's progress log (absent when unknown).",
+                              labels=J)
+    rate = GaugeMetricFamily("stallwatch_job_progress_rate_per_second",
+                             "Recent progress rate, items per second.", labels=J)
+    eta = GaugeMetricFamily("stallwatch_job_eta_seconds",
+                            "Estimated seconds to completion.", labels=J)
+    last = GaugeMetricFamily("stallwatch_job_last_progress_timestamp_seconds",
+                             "Unix time of the job's last progress.", labels=J)
+    restarts = CounterMetricFamily("stallwatch_job_restarts",
+                                   "Restarts stallwatch completed for the job.", labels=J)
+    max_restarts = GaugeMetricFamily("stallwatch_job_max_restarts",
+                                     "The job's restart budget (absent when restart = \"no\").",
+                                     labels=J)
+    incidents = CounterMetricFamily("stallwatch_job_incidents",
+                                    "Incidents the job had, by verdict kind.", labels=J + ["kind"])
+    jgpu = GaugeMetricFamily("stallwatch_job_gpu_memory_used_bytes",
+                             "GPU memory held by the job's processes, per GPU.",
+                             labels=J + ["gpu", "uuid"])
+    seen: set[str] = set()
+    for j in jobs:
+        if j.name in seen:  # two series with one label set would make the whole scrape invalid
+            continue
+        seen.add(j.name)
+        for k in VERDICT_KINDS:
+            verdict.add_metric([j.name, k], 1.0 if k == j.kind else 0.0)
+        for s in JOB_STATES:
+            state.add_metric([j.name, s], 1.0 if s == j.state else 0.0)
+        if j.done is not None:
+            done.add_metric([j.name], j.done)
+        if j.total is not None:
+            total.add_metric([j.name], j.total)
+        if j.rate_per_s is not None:
+            rate.add_metric([j.name], j.rate_per_s)
+        if j.eta_s is not None:
+            eta.add_metric([j.name], j.eta_s)
+        if j.last_progress_timestamp_s is not None:
+            last.add_metric([j.name], j.last_progress_timestamp_s)
+        restarts.add_metric([j.name], float(j.restarts))
+        if j.max_restarts is not None:
+            max_restarts.add_metric([j.name], float(j.max_restarts))
+        kinds = list(INCIDENT_KINDS) + [k for k in j.incidents if k not in INCIDENT_KINDS]
+        for k in kinds:
+            incidents.add_metric([j.name, k], float(j.incidents.get(k, 0)))
+        for g in j.gpus:
+            if g.used_bytes is not None:
+                jgpu.add_metric([j.name, str(g.index), g.uuid], float(g.used_bytes))
+    out: list[Metric] = [verdict, state, done, total, rate, eta, last, restarts, max_restarts,
+                         incidents, jgpu]
+    if daemon is not None:
+        out += _daemon_families(daemon)
+    return out
+
+
+def _daemon_families(d: DaemonView) -> list[Metric]:
+    out: list[Metric] = []
+    info = GaugeMetricFamily("stallwatch_build_info", "Always 1; the labels say which stallwatch.",
+                             labels=["version", "python"])
+    info.add_metric([d.version, platform.python_version()], 1.0)
+    out.append(info)
+    if d.started_at is not None:
+        out.append(GaugeMetricFamily("stallwatch_start_time_seconds",
+                                     "Unix time the daemon started.", value=d.started_at))
+    if d.interval_s is not None:
+        out.append(GaugeMetricFamily("stallwatch_tick_interval_seconds",
+                                     "The configured tick interval.", value=d.interval_s))
+    if d.last_tick_at is not None:
+        out.append(GaugeMetricFamily("stallwatch_last_tick_timestamp_seconds",
+                                     "Unix time the last tick ended: a hung tick loop stops it.",
+                                     value=d.last_tick_at))
+    if d.tick_duration_s is not None:
+        out.append(GaugeMetricFamily("stallwatch_tick_last_duration_seconds",
+                                     "How long the last tick took.", value=d.tick_duration_s))
+    if d.tick_histogram is not None:
+        h = d.tick_histogram
+        buckets, acc = [], 0
+        for b, n in zip(h.bounds, h.counts):
+            acc += n
+            buckets.append((_le(b), float(acc)))
+        buckets.append(("+Inf", float(h.count)))
+        out.append(HistogramMetricFamily("stallwatch_tick_duration_seconds",
+                                         "How long ticks take (every probe, the rules, actions).",
+                                         buckets=buckets, sum_value=h.sum))
+    runs = CounterMetricFamily("stallwatch_probe_runs", "Probe runs by probe and status "
+                               "(ok, absent, denied, error, timeout, busy).",
+                               labels=["probe", "status"])
+    for p, by in sorted(d.probe_runs.items()):
+        for s, n in sorted(by.items()):
+            runs.add_metric([p, s], float(n))
+    out.append(runs)
+    pdur = GaugeMetricFamily("stallwatch_probe_last_duration_seconds",
+                             "How long each probe's last run took.", labels=["probe"])
+    for p, s in sorted(d.probe_duration_s.items()):
+        pdur.add_metric([p], s)
+    out.append(pdur)
+    out.append(CounterMetricFamily("stallwatch_rule_evaluation_errors",
+                                   "Rule conditions or templates that failed to evaluate.",
+                                   value=float(d.rule_evaluation_errors)))
+    dl = CounterMetricFamily("stallwatch_alert_deliveries",
+                             "Alert deliveries by sink type and result (success, failure).",
+                             labels=["sink", "result"])
+    for s, by in sorted(d.alert_deliveries.items()):
+        for r, n in sorted(by.items()):
+            dl.add_metric([s, r], float(n))
+    out.append(dl)
+    util = GaugeMetricFamily("stallwatch_gpu_utilization_ratio",
+                             "GPU busy fraction over NVML's last sample period, 0 to 1.",
+                             labels=list(GPU_LABELS))
+    used = GaugeMetricFamily("stallwatch_gpu_memory_used_bytes", "GPU memory in use.",
+                             labels=list(GPU_LABELS))
+    tot = GaugeMetricFamily("stallwatch_gpu_memory_total_bytes", "GPU memory in all.",
+                            labels=list(GPU_LABELS))
+    lost = GaugeMetricFamily("stallwatch_gpu_lost",
+                             "1 when the GPU fell off the bus or needs a reset.",
+                             labels=list(GPU_LABELS))
+    for g in d.gpus:
+        lv = [str(g.index), g.uuid, g.name]
+        if g.utilization_ratio is not None:
+            util.add_metric(lv, g.utilization_ratio)
+        if g.memory_used_bytes is not None:
+            used.add_metric(lv, float(g.memory_used_bytes))
+        if g.memory_total_bytes is not None:
+            tot.add_metric(lv, float(g.memory_total_bytes))
+        lost.add_metric(lv, 1.0 if g.lost else 0.0)
+    out += [util, used, tot, lost]
+    return out
+
+
+def _le(b: float) -> str:
+    return floatToGoString(b)  # as prometheus_client's own histograms spell `le`
+
+
+class _ViewCollector(Collector):
+    def __init__(self, exporter: MetricsExporter) -> None:
+        self._exporter = exporter
+
+    def collect(self) -> Iterable[Metric]:
+        jobs, daemon = self._exporter._views  # one tuple, swapped atomically by update()
+        yield from families(jobs, daemon)
+        tf = self._exporter._textfile_errors
+        if self._exporter.textfile is not None:
+            yield CounterMetricFamily("stallwatch_metrics_textfile_write_errors",
+                                      "Failed writes of the node_exporter textfile.",
+                                      value=float(tf))
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # names depend on the views; nothing to check at registration
+
+
+# ---------------------------------------------------------------------------------------------
+# Listen addresses
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """"host:port", "[v6]:port", ":port" or "port" → (host, port); no host means 127.0.0.1."""
+    s = listen.strip()
+    if s.startswith("["):
+        host, sep, rest = s[1:].partition("]")
+        if not sep or not rest.startswith(":"):
+            raise ValueError(f'bad listen address "{listen}": expected "[v6-address]:port"')
+        port_s = rest[1:]
+    elif ":" in s:
+        host, _, port_s = s.rpartition(":")
+        if ":" in host:
+            raise ValueError(f'bad listen address "{listen}": an IPv6 address needs brackets, '
+                             f'as in "[::1]:{DEFAULT_PORT}"')
+    else:
+        host, port_s = "", s
+    if not port_s.isdigit() or not 0 <= int(port_s) < 65536:
+        raise ValueError(f'bad listen address "{listen}": expected "host:port" such as '
+                         f'"127.0.0.1:{DEFAULT_PORT}"')
+    host = host or "127.0.0.1"
+    if host == "localhost":
+        host = "127.0.0.1"
+    return host, int(port_s)
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    addrs = {i[4][0] for i in infos}
+    return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
+
+
+def check_listen(listen: str, *, allow_remote: bool = False) -> tuple[str, int]:
+    """parse_listen, and refuse a non-loopback address unless allowed: for the exporter, and
+    for a config validator that wants the error at load time (exit 3) rather than at start."""
+    host, port = parse_listen(listen)
+    if not allow_remote and not is_loopback(host):
+        raise ValueError(
+            f'metrics_listen "{listen}" is not a loopback address: the metrics name jobs, '
+            f"hosts and GPUs. Listen on 127.0.0.1 and let Prometheus reach it through a proxy "
+            f"or node_exporter's textfile collector, or allow remote scrapes explicitly "
+            f"(metrics_allow_remote = true).")
+    return host, port
+
+
+# ---------------------------------------------------------------------------------------------
+# The exporter
+
+
+class MetricsExporter:
+    """Serves the latest views on `listen` (HTTP `/metrics`) and/or writes them to `textfile`.
+
+    `listen`: "127.0.0.1:9835", "[::1]:9835", ":9835" (loopback) — a non-loopback address is
+    refused unless `allow_remote=True`. Port 0 picks a free port; `.port` says which.
+    `textfile`: a directory (node_exporter's `--collector.textfile.directory`; the file is
+    `<dir>/stallwatch.prom`) or a path ending in `.prom`. Written atomically (a temporary file in
+    the same directory, then rename) by a background thread, at most every `textfile_interval_s`,
+    so a slow disk never slows a tick.
+    """
+
+    def __init__(self, listen: str | None = None, textfile: Path | str | None = None, *,
+                 allow_remote: bool = False,
+                 textfile_interval_s: float = DEFAULT_TEXTFILE_INTERVAL_S) -> None:
+        self.listen = listen
+        self.allow_remote = allow_remote
+        self._host: str | None = None
+        self._port: int | None = None
+        if listen is not None:
+            self._host, self._port = check_listen(listen, allow_remote=allow_remote)
+        self.textfile: Path | None = None
+        if textfile is not None:
+            p = Path(textfile)
+            self.textfile = p if p.suffix == ".prom" else p / TEXTFILE_NAME
+            if not self.textfile.parent.is_dir():
+                raise ValueError(f"{self.textfile.parent}: no such directory for the metrics "
+                                 f"textfile (node_exporter's --collector.textfile.directory)")
+            _remove_stale_temps(self.textfile)
+        self.textfile_interval_s = float(textfile_interval_s)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_ViewCollector(self))
+        self._views: tuple[tuple[JobView, ...], DaemonView | None] = ((), None)
+        self._httpd: Any = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        # textfile writer
+        self._textfile_errors = 0
+        self._last_error_log = -math.inf
+        self._cv = threading.Condition()
+        self._dirty = False
+        self._last_write = -math.inf
+        self._writer: threading.Thread | None = None
+        self._write_lock = threading.Lock()
+
+    # -- the daemon's side
+
+    def update(self, jobs: Sequence[JobView], daemon: DaemonView | None) -> None:
+        """The latest views (cheap: swaps a reference; the textfile is written off-thread)."""
+        self._views = (tuple(jobs), daemon)
+        if self.textfile is not None and not self._closed:
+            with self._cv:
+                self._dirty = True
+                if self._writer is None:
+                    self._writer = threading.Thread(target=self._write_loop,
+                                                    name="stallwatch-textfile", daemon=True)
+                    self._writer.start()
+                self._cv.notify()
+
+    def start(self) -> MetricsExporter:
+        """Start the HTTP server (no-op without `listen`). Raises OSError if it cannot bind."""
+        if self.listen is None or self._httpd is not None:
+            return self
+        from prometheus_client import start_http_server
+        self._httpd, self._thread = start_http_server(self._port, addr=self._host,
+                                                      registry=self.registry)
+        self._thread.name = "stallwatch-metrics"
+        log.info("metrics on http://%s/metrics", self.address)
+        return self
+
+    @property
+    def port(self) -> int | None:
+        """The port actually bound (after start()), else the configured one."""
+        if self._httpd is not None:
+            return self._httpd.server_address[1]
+        return self._port
+
+    @property
+    def host(self) -> str | None:
+        return self._host
+
+    @property
+    def address(self) -> str | None:
+        if self._host is None:
+            return None
+        h = f"[{self._host}]" if ":" in self._host else self._host
+        return f"{h}:{self.port}"
+
+    def render(self) -> str:
+        """The exposition text of the latest views (what a scrape or the textfile gets)."""
+        return generate_latest(self.registry).decode()
+
+    def flush(self) -> None:
+        """Write the textfile now, whatever the interval (close() does; tests do)."""
+        if self.textfile is None:
+            return
+        with self._cv:
+            self._dirty = False
+        self._write_textfile()
+
+    def close(self) -> None:
+        """Stop the server; write the textfile a last time if it has news."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._cv:
+            dirty = self._dirty
+            self._cv.notify_all()
+        if self._writer is not None:
+            self._writer.join(timeout=5)
+        if self.textfile is not None and dirty:
+            self.flush()
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            if self._thread is not None:
+                self._thread.join(timeout=5)
+            self._httpd = None
+
+    def __enter__(self) -> MetricsExporter:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- textfile
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed:
+                    wait = self._last_write + self.textfile_interval_s - time.monotonic()
+                    if self._dirty and wait <= 0:
+                        break
+                    self._cv.wait(timeout=wait if self._dirty else None)
+                if self._closed:
+                    return
+                self._dirty = False
+            self._write_textfile()
+
+    def _write_textfile(self) -> None:
+        assert self.textfile is not None
+        with self._write_lock:
+            self._last_write = time.monotonic()
+            try:
+                write_atomic(self.textfile, generate_latest(self.registry))
+            except OSError as e:
+                self._textfile_errors += 1
+                now = time.monotonic()
+                if now - self._last_error_log > 60:
+                    self._last_error_log = now
+                    log.warning("cannot write the metrics textfile %s: %s", self.textfile, e)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so a reader sees the old file or the new one, never a part.
+
+    The temporary file lives in the same directory (rename is atomic within a filesystem only)
+    and does not end in `.prom`, so node_exporter's textfile collector never reads it."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o644)  # node_exporter usually runs as another user
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _remove_stale_temps(path: Path) -> None:
+    """Temporary files a killed daemon left behind (only ours, by name)."""
+    try:
+        for p in path.parent.glob(f".{path.name}.*.tmp"):
+            try:
+                p.unlink()
+            except OSError:
+                pass
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# The daemon's side: one object, three calls (open, each tick, shutdown)
+
+
+class DaemonMetrics:
+    """Everything `stallwatch run` needs for metrics, so its wiring stays three lines:
+
+        self._metrics = DaemonMetrics.from_config(self.config.daemon)   # open(); None if off
+        if self._metrics: self._metrics.tick(self, dur)                  # end of each tick
+        if self._metrics: self._metrics.close()                          # shutdown()
+
+    `tick` reads the daemon duck-typed: `daemon.jobs` (name → runner with .name, .phase,
+    .verdict.kind, .last_snap, .last_eval.errors, .incidents, .restarts(), .cfg.restart,
+    .cfg.max_restarts), `daemon.db` (.incidents(job, limit), .job_actions(job)) and
+    `daemon.dispatcher.status()`. A failure here is logged, never raised into the tick.
+    """
+
+    def __init__(self, exporter: MetricsExporter, stats: DaemonStats) -> None:
+        self.exporter = exporter
+        self.stats = stats
+        self._seen_snaps: dict[str, int] = {}  # job -> id() of the last snapshot counted
+        self._incidents: dict[str, tuple[frozenset[int], float, dict[str, int]]] = {}
+        self._gave_up: dict[str, tuple[str, int, bool]] = {}
+        self._failures = 0
+
+    @classmethod
+    def from_config(cls, daemon_cfg: Any) -> DaemonMetrics | None:
+        """From the [daemon] table: metrics_listen, and (when the config has them)
+        metrics_textfile and metrics_allow_remote. None when neither output is configured or
+        the endpoint cannot be opened (logged: a watchdog without metrics still watches)."""
+        listen = getattr(daemon_cfg, "metrics_listen", None)
+        textfile = getattr(daemon_cfg, "metrics_textfile", None)
+        if not listen and not textfile:
+            return None
+        try:
+            exp = MetricsExporter(listen, textfile,
+                                  allow_remote=bool(getattr(daemon_cfg, "metrics_allow_remote",
+                                                            False))).start()
+        except (OSError, ValueError) as e:
+            log.error("metrics are off: %s", e)
+            return None
+        stats = DaemonStats(interval_s=getattr(daemon_cfg, "interval_s", None))
+        return cls(exp, stats)
+
+    @property
+    def port(self) -> int | None:
+        return self.exporter.port
+
+    def tick(self, daemon: Any, duration_s: float) -> None:
+        try:
+            self._tick(daemon, duration_s)
+        except Exception:
+            self._failures += 1
+            if self._failures in (1, 10, 100) or self._failures % 1000 == 0:
+                log.exception("metrics update failed (%d times)", self._failures)
+
+    def close(self) -> None:
+        self.exporter.close()
+
+    # -- internals
+
+    def _tick(self, daemon: Any, duration_s: float) -> None:
+        runners = list(getattr(daemon, "jobs", {}).values())
+        db = getattr(daemon, "db", None)
+        reports: list[Any] = []
+        rule_errors = 0
+        gpu_obs = None
+        views: list[JobView] = []
+        for r in runners:
+            snap = getattr(r, "last_snap", None)
+            if snap is not None and self._seen_snaps.get(r.name) != id(snap):
+                self._seen_snaps[r.name] = id(snap)  # count each snapshot's probes once
+                reports.extend(snap.probes)
+                ev = getattr(r, "last_eval", None)
+                rule_errors += len(getattr(ev, "errors", ()) or ())
+            if snap is not None and gpu_obs is None and getattr(snap, "gpu", None) is not None:
+                gpu_obs = snap.gpu
+            views.append(self._job_view(r, snap, db))
+        self._seen_snaps = {k: v for k, v in self._seen_snaps.items()
+                            if k in {r.name for r in runners}}
+        self.stats.tick(duration_s, reports)
+        if rule_errors:
+            self.stats.rule_error(rule_errors)
+        disp = getattr(daemon, "dispatcher", None)
+        deliveries = deliveries_from_status(disp.status()) if disp is not None else {}
+        view = self.stats.view(gpus=GpuView.from_obs(gpu_obs))
+        if deliveries:
+            view = view.model_copy(update={"alert_deliveries": deliveries})
+        self.exporter.update(views, view)
+
+    def _job_view(self, r: Any, snap: Any, db: Any) -> JobView:
+        verdict = getattr(r, "verdict", None)
+        kind = getattr(verdict, "kind", None) or "unknown"
+        if kind not in VERDICT_KINDS:
+            kind = "unknown"
+        phase = getattr(r, "phase", "running")
+        restarts = int(r.restarts())
+        state = phase if phase in JOB_STATES else "stopped"
+        if phase == "stopped" and self._is_gave_up(r.name, phase, restarts, db):
+            state = "gave_up"
+        cfg = getattr(r, "cfg", None)
+        max_r = getattr(cfg, "max_restarts", None) if getattr(cfg, "restart", "no") != "no" else None
+        return JobView.from_snapshot(r.name, snap, kind=kind, state=state, restarts=restarts,
+                                     max_restarts=max_r,
+                                     incidents=self._incident_counts(r, db))
+
+    def _incident_counts(self, r: Any, db: Any) -> dict[str, int]:
+        """By kind, from the state database; re-read when a new incident opens (every new one
+        is open first) and at least every minute."""
+        if db is None:
+            return {}
+        open_ids = frozenset(int(inc["id"]) for inc in (getattr(r, "incidents", {}) or {}).values()
+                             if isinstance(inc, Mapping) and "id" in inc)
+        now = time.monotonic()
+        cached = self._incidents.get(r.name)
+        if cached is not None and open_ids <= cached[0] and now - cached[1] < 60:
+            return cached[2]
+        counts: dict[str, int] = {}
+        for row in db.incidents(r.name, limit=1 << 30):
+            k = row.get("kind")
+            if k in VERDICT_KINDS:
+                counts[k] = counts.get(k, 0) + 1
+        seen = frozenset(open_ids | (cached[0] if cached else frozenset()))
+        self._incidents[r.name] = (seen, now, counts)
+        return counts
+
+    def _is_gave_up(self, name: str, phase: str, restarts: int, db: Any) -> bool:
+        """Stopped because the recovery gave up: its last start/restart/give_up action is a
+        give_up (the daemon records that phase as "stopped")."""
+        cached = self._gave_up.get(name)
+        if cached is not None and cached[:2] == (phase, restarts):
+            return cached[2]
+        result = False
+        if db is not None:
+            for a in reversed(db.job_actions(name)):
+                if a.get("what") in ("give_up", "start", "restart"):
+                    result = a["what"] == "give_up"
+                    break
+        self._gave_up[name] = (phase, restarts, result)
+        return result
+
+
+def deliveries_from_status(status: Mapping[str, Any]) -> dict[str, dict[str, int]]:
+    """Alert deliveries by sink type, from AlertDispatcher.status() (cumulative per sink)."""
+    out: dict[str, dict[str, int]] = {}
+    for s in status.get("sinks", ()) or ():
+        by = out.setdefault(str(s.get("type") or s.get("name") or "sink"),
+                            {r: 0 for r in DELIVERY_RESULTS})
+        by["success"] += int(s.get("sent") or 0)
+        by["failure"] += int(s.get("failed") or 0)
+    return out
