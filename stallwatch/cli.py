@@ -201,6 +201,148 @@ def rules_test(file: Annotated[Path, typer.Argument(help="A rule-test file (TOML
     return 0 if rep.ok else 1
 
 
+alert_app = typer.Typer(no_args_is_help=True, help="Check alert delivery (Slack, webhook, desktop, command).")
+app.add_typer(alert_app, name="alert")
+
+
+@alert_app.command("test")
+def alert_test(
+    config: Annotated[Optional[Path], typer.Option("--config", help="The daemon's config file; default $STALLWATCH_CONFIG or /etc/stallwatch.toml.")] = None,
+    sink: Annotated[list[str], typer.Option("--sink", help="Only the alert sink of this name (repeatable).")] = [],
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for every sink, retries included.")] = 30.0,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+) -> int:
+    """Send a sample io_stall alert (marked test) through every configured sink.
+
+    Prints one line per sink (ok, or failed: why). Exit 0 if all delivered, 2 otherwise, 3 on
+    config errors.
+    """
+    import os
+
+    from stallwatch.alerts import AlertDispatcher, sample_event
+    from stallwatch.alerts.redact import redact
+
+    if timeout <= 0:
+        raise UsageError("--timeout must be positive")
+    if config is None:
+        config = Path(os.environ.get("STALLWATCH_CONFIG") or "/etc/stallwatch.toml")
+        if not config.exists():
+            raise UsageError(f"{config}: no such config file (pass --config FILE)")
+    try:
+        from stallwatch.config import load_config
+    except ImportError:  # without the daemon's config module: the [[alert]] tables alone
+        from stallwatch.alerts.config import load_alerts_file
+        configs, state_dir = load_alerts_file(config), None
+    else:
+        cfg = load_config(config)
+        configs, state_dir = list(cfg.alerts), str(cfg.state_dir)
+    if not configs:
+        raise UsageError(f"{config}: no [[alert]] tables: nothing to test")
+    if sink:
+        unknown = [s for s in sink if s not in {c.name for c in configs}]
+        if unknown:
+            raise UsageError(f"--sink {unknown[0]}: no such [[alert]] (names: "
+                             f"{', '.join(c.name for c in configs)})")
+        configs = [c for c in configs if c.name in sink]
+    d = AlertDispatcher(configs, state_dir=state_dir, tick_interval_s=None)
+    try:
+        d.submit(sample_event())
+        finished = d.flush(timeout)
+    finally:
+        d.close(timeout_s=0.5)
+    results = []
+    for s in d.status()["sinks"]:
+        ok = s["sent"] > 0
+        if ok:
+            error = None
+        elif not finished and (s["retrying"] or s["queued"] or not s["failed"]):
+            error = f"not delivered within {timeout:g} s" + (f" (last error: {s['last_error']})" if s["last_error"] else "")
+        else:
+            error = s["last_error"] or "not delivered"
+        results.append({"name": s["name"], "type": s["type"], "target": s["target"], "ok": ok,
+                        "error": redact(error) if error else None})
+    all_ok = all(r["ok"] for r in results)
+    if json_out:
+        sys.stdout.write(json.dumps({"ok": all_ok, "sinks": results}, indent=2) + "\n")
+    else:
+        for r in results:
+            verdict = "ok" if r["ok"] else f"failed: {r['error']}"
+            print(f"{r['name']}: {verdict}  [{r['target']}]")
+    return 0 if all_ok else 2
+
+
+@app.command()
+def run(
+    config: Annotated[Path, typer.Option("--config", help="The daemon's config file (TOML).")],
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Watch and alert, but never kill, quarantine or (re)start anything.")] = False,
+    log_level: Annotated[Optional[str], typer.Option("--log-level", help="debug, info, warning or error (default: the config's).")] = None,
+) -> int:
+    """The daemon, in the foreground (systemd starts it): supervise, diagnose, kill and resume.
+
+    SIGHUP reloads the config and rules, keeping the last good ones on error; SIGTERM and SIGINT stop the daemon and leave the jobs running.
+    """
+    from stallwatch.config import load_config
+    from stallwatch.daemon.core import run_daemon
+
+    cfg = load_config(config)
+    if dry_run:
+        cfg = cfg.model_copy(update={"daemon": cfg.daemon.model_copy(update={"dry_run": True})})
+    if log_level is not None:
+        if log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise UsageError(f"--log-level {log_level}: expected debug, info, warning or error")
+        cfg = cfg.model_copy(update={"daemon": cfg.daemon.model_copy(
+            update={"log_level": log_level.lower()})})
+    return run_daemon(cfg)
+
+
+@app.command()
+def status(
+    config: Annotated[Optional[Path], typer.Option("--config", help="The daemon's config file; default $STALLWATCH_CONFIG or /etc/stallwatch.toml when it exists.")] = None,
+    state_dir: Annotated[Optional[Path], typer.Option("--state-dir", help="Read this state directory instead of the config's.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> int:
+    """Each job's current verdict, restarts and incidents, from the daemon's state database.
+
+    Exit code as Nagios: the worst job (0 healthy/finished, 1 slow, 2 a problem); 3 when no daemon is running.
+    """
+    import os
+
+    from stallwatch.config import default_state_dir, load_config
+    from stallwatch.daemon.status import exit_code, render_status, status_doc
+    from stallwatch.state import StateDB
+
+    names = None
+    if config is None and state_dir is None:
+        env = os.environ.get("STALLWATCH_CONFIG")
+        if env:
+            config = Path(env)
+        elif Path("/etc/stallwatch.toml").exists():
+            config = Path("/etc/stallwatch.toml")
+    if config is not None:
+        try:
+            cfg = load_config(config, check_permissions=False)
+        except UsageError as e:
+            if state_dir is None:
+                raise
+            print(f"stallwatch: warning: {e} (reading {state_dir} anyway)", file=sys.stderr)
+        else:
+            names = [j.name for j in cfg.job]
+            state_dir = state_dir or cfg.state_dir
+    state_dir = state_dir or default_state_dir()
+    db = StateDB.open_readonly(state_dir)
+    try:
+        doc = status_doc(db, Path(state_dir), names)
+    finally:
+        db.close()
+    if json_out:
+        sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+    else:
+        from rich.console import Console
+
+        render_status(doc, Console())
+    return exit_code(doc)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: maps every usage/config error to one line on stderr and exit 3."""
     try:

@@ -16,6 +16,7 @@ from stallwatch.probes.base import DeadlineRunner, ProbeReport, ProbeStatus
 from stallwatch.probes.disks import DisksProbe
 from stallwatch.probes.gpu import GpuProbe
 from stallwatch.probes.kmsg import KernelLogProbe
+from stallwatch.probes.listener import ServerProcessesProbe
 from stallwatch.probes.logs import LogProbe
 from stallwatch.probes.outputs import OutputsProbe
 from stallwatch.probes.processes import ProcessesObs, ProcessesProbe
@@ -53,6 +54,8 @@ class Collector:
         self.outputs = (OutputsProbe(target.outputs, clock=clock, use_watchdog=use_inotify, roots=roots)
                         if target.outputs else None)
         self.server = ServerProbe(target.server, clock=clock) if target.server else None
+        port = _local_port(target.server)
+        self.server_processes = ServerProcessesProbe(port, roots, clock) if port else None
         self.kernel = KernelLogProbe(roots=roots, clock=clock, history=kernel_history)
         self._static_paths = [str(p) for p in (target.log and Path(target.log).parent,
                                                target.outputs) if p]
@@ -68,7 +71,8 @@ class Collector:
     def tick(self) -> Snapshot:
         t0 = self.clock.monotonic()
         first = [(p.name, p.collect, self.deadline_s) for p in
-                 (self.processes, self.gpu, self.log, self.outputs, self.server, self.kernel) if p]
+                 (self.processes, self.gpu, self.log, self.outputs, self.server, self.kernel,
+                  self.server_processes) if p]
         results = dict(zip([c[0] for c in first], self.runner.call_many(first)))
         procs: ProcessesObs | None = results["processes"][0]
         # The filesystems that matter are those the job works in and writes to, known only now.
@@ -89,7 +93,7 @@ class Collector:
             probes=tuple(reports), tick_duration_s=self.clock.monotonic() - t0,
             processes=procs, gpu=values.get("gpu"), log=values.get("log"),
             outputs=values.get("outputs"), disks=values.get("disks"), server=values.get("server"),
-            kernel=values.get("kmsg"),
+            kernel=values.get("kmsg"), server_processes=values.get("server_processes"),
         )
 
     def close(self) -> None:
@@ -112,3 +116,18 @@ def _disk_paths(static: list[str], procs: ProcessesObs | None, limit: int = 16) 
     for p in paths:
         seen.setdefault(os.path.normpath(p), None)
     return list(seen)[:limit]
+
+
+def _local_port(url: str | None) -> int | None:
+    """The port of a server on this host; None for a remote one (its processes are not ours)."""
+    if not url:
+        return None
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(url)
+        port = u.port or (443 if u.scheme == "https" else 80)
+    except ValueError:
+        return None
+    local = {"localhost", "127.0.0.1", "::1", "0.0.0.0", socket.gethostname()}
+    return port if (u.hostname or "") in local or (u.hostname or "").startswith("127.") else None

@@ -43,6 +43,7 @@ class AlertEvent(Frozen):
     actions: tuple[str, ...] = ()  # what stallwatch did: "evidence: /var/lib/...", "killed", ...
     evidence_bundle: str | None = None  # path of the evidence bundle on the host
     test: bool = False  # sent by `stallwatch alert test`
+    renotify: int = 0  # 0: the first alert of this state; n: the n-th reminder of a still-firing incident
 
     @property
     def key(self) -> tuple[str, str, int | None]:

@@ -343,6 +343,9 @@ def _server(snap: Snapshot) -> dict[str, Any]:
         "health_status": float(h.status_code) if h and h.status_code else -1.0,
         "health_error": (h.error or "") if h else "",  # why it failed: a timeout has no status
         "info_overdue": bool(info and (info.overdue or info.timed_out)),
+        # The server itself says it is not well: what tells "the client waits on a sick server"
+        # from "the client is stuck on its own while connected to a healthy one".
+        "trouble": bool((h and (h.ok is False or h.overdue)) or (info and (info.overdue or info.timed_out))),
         "metrics_ok": bool(m and m.ok),
         "gen_tokens_per_s": gen if gen is not None else -1.0,
         "prompt_tokens_per_s": prompt if prompt is not None else -1.0,
@@ -358,8 +361,8 @@ def _client(procs: list[ProcessObs], threads: list[tuple[ProcessObs, ThreadObs]]
             port: int | None) -> dict[str, Any]:
     """Is the job waiting on the server? A thread blocked reading a socket to its port is proof;
     an open connection to it while every thread sleeps in poll/epoll is strong circumstance."""
-    out = {"connected": False, "waiting": False, "how": "", "pid": -1, "tid": -1, "syscall": "",
-           "remote": "", "quiet_s": 0.0}
+    out = {"connected": False, "waiting": False, "blocked": False, "how": "", "pid": -1, "tid": -1,
+           "syscall": "", "remote": "", "quiet_s": 0.0}
     if port is None:
         return out
     by_fd: dict[tuple[int, int], str] = {}
@@ -372,7 +375,7 @@ def _client(procs: list[ProcessObs], threads: list[tuple[ProcessObs, ThreadObs]]
     out["connected"] = True
     for p, t in threads:
         if t.syscall in SOCKET_READ_SYSCALLS and (p.pid, t.syscall_fd) in by_fd:
-            out.update(waiting=True, how="blocked reading the server socket", pid=p.pid, tid=t.tid,
+            out.update(waiting=True, blocked=True, how="blocked reading the server socket", pid=p.pid, tid=t.tid,
                        syscall=t.syscall, remote=by_fd[(p.pid, t.syscall_fd)],
                        quiet_s=_quiet(t.ctx_unchanged_for_s, t.last_ran_age_s))
             return out

@@ -28,6 +28,7 @@ class Snapshot(Frozen):
     disks: DisksObs | None = None
     server: ServerObs | None = None
     kernel: KernelLogObs | None = None
+    server_processes: ProcessesObs | None = None  # the tree listening on the server's port
 
     def probe(self, name: str) -> ProbeReport | None:
         return next((p for p in self.probes if p.name == name), None)

@@ -1,0 +1,801 @@
+"""One job under the daemon: observe, judge, remember, act — once per tick, never blocking.
+
+Each tick: the wrapper's status file (did the job start? exit? with what status?) → collector
+tick → features → rules (evaluator.evaluate(now = snapshot.t_mono)) → incidents → actions.
+
+Incidents. One per job and verdict kind *episode*: opened when a problem verdict (hang, io_stall,
+server_hang, server_down, crash, gpu_fault, disk_full, slow) is the job's verdict and no incident
+of that kind is open; resolved when no rule of that kind fires any more, no recovery for it is
+in progress, and the job's verdict is positive evidence of something else (healthy, slow,
+finished, another problem) — not `unknown`. So a crash loop is one incident with several
+restarts, and "resolved" means the job was seen working again, not merely restarted. Every
+incident gets an evidence bundle and a firing alert; resolution sends a resolved alert.
+
+Actions with restart = "on-failure" on crash, hang and io_stall: stallwatch.daemon.recovery.
+server_hang, server_down, gpu_fault and disk_full never restart the job: the fault is outside it
+(the server, a GPU that needs a health check, a full disk), and restarting the client would only
+burn the restart budget; they alert and wait.
+
+A freshly (re)started job gets `startup_grace_s` (default: the stall threshold the features
+computed) before a stall verdict may kill it: its log's last progress line is the previous
+run's, so "no progress for N s" is not yet about this run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from stallwatch.config import JobConfig
+from stallwatch.daemon.recovery import Recovery, candidates_from, run_in_thread
+from stallwatch.daemon.supervise import (SpawnError, Spawned, find_wrapper, identity_alive,
+                                         identity_exists, proc_state, read_status, spawn,
+                                         use_systemd_run)
+from stallwatch.engine import Evaluator, RuleSet
+from stallwatch.engine.alerting import AlertState, Evaluation, Verdict
+from stallwatch.features import features
+
+if TYPE_CHECKING:
+    from stallwatch.daemon.core import Daemon
+
+log = logging.getLogger("stallwatch.daemon")
+
+PROBLEM_KINDS = ("hang", "io_stall", "server_hang", "server_down", "crash", "gpu_fault",
+                 "disk_full", "slow")
+RESTART_KINDS = ("crash", "hang", "io_stall")
+STALL_KINDS = ("hang", "io_stall")
+TERMINAL = ("finished", "stopped")
+
+
+def verdict_doc(v: Verdict, at: float | None = None) -> dict[str, Any]:
+    doc = {"kind": v.kind, "summary": v.summary,
+           "evidence": [{"signal": e.signal, "detail": e.detail} for e in v.evidence],
+           "advice": list(v.advice), "cause": v.cause, "rule": v.rule, "severity": v.severity}
+    if at is not None:
+        doc["at"] = at
+    return doc
+
+
+class JobRunner:
+    def __init__(self, daemon: "Daemon", cfg: JobConfig, rules: RuleSet) -> None:
+        self.daemon = daemon
+        self.cfg = cfg
+        self.name = cfg.name
+        self.db = daemon.db
+        self.clock = daemon.clock
+        self.toolkit = daemon.toolkit
+        self.rules = rules
+        self.evaluator = Evaluator(rules)
+        self.collector = None
+        self.phase = "new"
+        self.run_row: dict[str, Any] | None = None
+        self.popen = None  # our wrapper (setsid) or systemd-run, while it is our child
+        self.exit_noted = False
+        self.exit_rc: int | None = None
+        self.synthetic: Verdict | None = None  # the daemon's own verdict: job lost, cannot start
+        self.recovery: Recovery | None = None
+        self.incidents: dict[str, dict[str, Any]] = {}
+        self.last_snap = None
+        self.last_alive_snap = None
+        self.last_eval: Evaluation | None = None
+        self.last_vars: dict[str, Any] | None = None
+        self.verdict: Verdict | None = None
+        self._gone_ticks = 0
+        self._starting_since: float | None = None
+        self._pid_file_pid: int | None = None
+        self._spawn_error = ""
+        self.dry_run_done: set[int] = set()  # incidents a dry run already walked through
+
+    # ------------------------------------------------------------------------------ helpers
+
+    @property
+    def daemon_cfg(self):
+        return self.daemon.config.daemon
+
+    @property
+    def dry_run(self) -> bool:
+        return self.cfg.dry_run if self.cfg.dry_run is not None else self.daemon_cfg.dry_run
+
+    @property
+    def mode(self) -> str:
+        return "command" if self.cfg.command else ("pid_file" if self.cfg.pid_file else "match")
+
+    def log_path(self) -> Path | None:
+        if self.cfg.log is not None:
+            return self.cfg.log
+        if self.cfg.supervised:
+            return self.daemon.state_dir / "logs" / f"{self.name}.log"
+        return None
+
+    def set_phase(self, phase: str, detail: str = "", **extra: Any) -> None:
+        self.phase = phase
+        self.db.update_job(self.name, phase=phase, phase_detail=detail, **extra)
+
+    def restarts(self) -> int:
+        row = self.db.job(self.name)
+        return int(row["restarts"]) if row else 0
+
+    def run_started_wall(self) -> float | None:
+        return self.run_row["started_at"] if self.run_row else None
+
+    def note_quarantined(self, paths: list[str]) -> None:
+        log.warning("job %s: quarantined %d broken output(s): %s", self.name, len(paths),
+                    ", ".join(paths[:5]))
+
+    def config_json(self) -> str:
+        return self.cfg.model_dump_json()
+
+    # ----------------------------------------------------------------------- the collector
+
+    def _target(self, pids: tuple[int, ...] = ()):
+        from stallwatch.targets import Target
+
+        return Target(name=self.name, pids=pids, match=self.cfg.match, log=self.log_path(),
+                      progress_regex=self.cfg.progress_regex, outputs=self.cfg.outputs,
+                      server=self.cfg.server)
+
+    def _ensure_collector(self, pids: tuple[int, ...] = ()) -> None:
+        if self.collector is not None:
+            return
+        from stallwatch.collector import Collector
+        from stallwatch.probes.kmsg import KernelLogProbe
+
+        self.collector = Collector(self._target(pids), clock=self.clock,
+                                   deadline_s=self.daemon_cfg.probe_deadline_s,
+                                   gpu=self.daemon.gpu_enabled)
+        row = self.db.job(self.name)
+        boot = self.daemon.boot_id
+        if row and row.get("kmsg_cursor") is not None and row.get("kmsg_boot_id") == boot:
+            # Same boot: read what the kernel said while no daemon was watching (an OOM kill).
+            try:
+                self.collector.kernel.close()
+            except Exception:  # noqa: BLE001
+                pass
+            self.collector.kernel = KernelLogProbe(clock=self.clock, cursor=row["kmsg_cursor"])
+
+    def set_target(self, pid: int, start_ticks: int) -> None:
+        """Watch (pid, start_ticks) from now on; a new run gets a fresh processes probe."""
+        from stallwatch.probes.processes import ProcessesProbe
+
+        self._ensure_collector()
+        target = self._target((pid,))
+        self.collector.target = target
+        self.collector.processes = ProcessesProbe(target, clock=self.clock,
+                                                  known_starts={pid: start_ticks})
+        self.exit_noted = False
+        self.exit_rc = None
+        self.synthetic = None
+        self._gone_ticks = 0
+
+    def update(self, cfg: JobConfig, rules: RuleSet, *, rules_changed: bool) -> None:
+        """A reload changed this job. What it watches applies now; how it is started applies at
+        the next (re)start: a running job is never restarted because its config changed."""
+        watched = ("log", "progress_regex", "outputs", "server", "match", "pid_file")
+        refresh = any(getattr(cfg, k) != getattr(self.cfg, k) for k in watched)
+        old_json = self.config_json()
+        self.cfg = cfg
+        afresh = self.recovery is None and self._afresh(self.phase, old_json)
+        self.db.update_job(self.name, config_json=self.config_json())
+        if rules_changed:
+            self.rules = rules
+            self.evaluator = Evaluator(rules)
+        if refresh and self.collector is not None:
+            pids = self.collector.target.pids
+            processes = self.collector.processes
+            self.collector.close()
+            self.collector = None
+            self._ensure_collector(pids)
+            if self.cfg.match is None and self.cfg.pid_file is None:
+                self.collector.processes = processes  # keep the job's identity and exit memory
+                self.collector.target = self._target(pids)
+            self._pid_file_pid = None
+        if afresh:
+            log.info("job %s: its configuration changed while it was %s: starting afresh",
+                     self.name, self.phase)
+            self.db.update_job(self.name, phase="new", phase_detail="", restarts=0)
+            self.phase = "new"
+            self.start_first()
+
+    def _forget_processes(self) -> None:
+        """A new run starts: the old run's processes and exits are history, not this run's."""
+        from stallwatch.probes.processes import ProcessesProbe
+
+        if self.collector is not None and self.cfg.supervised:
+            target = self._target(())
+            self.collector.target = target
+            self.collector.processes = ProcessesProbe(target, clock=self.clock)
+
+    def close(self) -> None:
+        if self.collector is not None:
+            self.collector.close()
+            self.collector = None
+
+    # ------------------------------------------------------------------------------ start-up
+
+    def start(self) -> None:
+        """Take over the job: from the state database, re-attach, resume a recovery, or start."""
+        row = self.db.ensure_job(self.name, self.mode, self.config_json())
+        if row["mode"] != self.mode or self._afresh(row["phase"], row["config_json"]):
+            log.info("job %s: its configuration changed since it was %s: starting afresh",
+                     self.name, row["phase"])
+            self.db.update_job(self.name, mode=self.mode, phase="new", phase_detail="",
+                               restarts=0, recovery_incident=None)
+        self.db.update_job(self.name, config_json=self.config_json())
+        row = self.db.job(self.name)
+        self.phase = row["phase"]
+        for inc in self.db.open_incidents(self.name):
+            self.incidents[inc["kind"]] = {"id": inc["id"], "episode": inc["episode"]}
+        self._ensure_collector()
+        if self.cfg.supervised:
+            reconcile_intents(self.db, self.name)
+            self._start_supervised(row)
+        elif self.cfg.pid_file is not None:
+            self.set_phase("attached", "attached by pid_file: never restarted by stallwatch")
+        else:
+            self.set_phase("attached", "attached by match: never restarted by stallwatch")
+
+    def _afresh(self, phase: str, old_json: str | None) -> bool:
+        """Is a finished or stopped job to be started again? Only when its config changed: a
+        finished job when what it runs changed (command, cwd, env), a stopped one (given up,
+        or crashed with restart = "no") also when its restart policy changed. A job that is
+        running is never restarted for a config change: the new command applies at its next
+        (re)start."""
+        if phase not in TERMINAL or not self.cfg.supervised:
+            return False
+        try:
+            old = json.loads(old_json or "")
+        except ValueError:
+            return True
+        new = json.loads(self.config_json())
+        keys = ["command", "cwd", "env"]
+        if phase == "stopped":
+            keys += ["restart", "max_restarts"]
+        return any(old.get(k) != new.get(k) for k in keys)
+
+    def _start_supervised(self, row: dict[str, Any]) -> None:
+        run = self.db.latest_run(self.name)
+        phase = row["phase"]
+        if phase in TERMINAL:
+            self.run_row = run
+            log.info("job %s: %s (%s); not started again", self.name, phase, row["phase_detail"])
+            return
+        if run is None or phase == "new":
+            self.start_first()
+            return
+        self.run_row = run
+        doc = read_status(run["status_file"])
+        if doc and doc.get("pid") and run["pid"] is None:
+            self._adopt_status(doc)
+            run = self.run_row
+        if run["pid"] is not None:
+            pid, ticks = run["pid"], run["start_ticks"]
+            if identity_alive(pid, ticks):
+                log.info("job %s: re-attached to pid %d (start ticks %d) of run %d", self.name,
+                         pid, ticks, run["seq"])
+                self.set_target(pid, ticks)
+                self.db.add_action(self.name, "reattach", f"re-attached to pid {pid}")
+            else:
+                st = proc_state(pid)
+                if st is not None:
+                    log.warning("job %s: pid %d now belongs to another process (start ticks %d, "
+                                "not %d): not adopting it, never signalling it", self.name, pid,
+                                st[1], ticks)
+                self.set_target(pid, ticks)  # the probe reports it exited, never the stranger
+        else:
+            self._starting_since = self.clock.monotonic()
+        if phase == "recovering":
+            self._resume_recovery(row)
+        elif self.phase not in ("starting",) and run["pid"] is not None:
+            self.set_phase("running", f"pid {run['pid']}", pid=run["pid"],
+                           start_ticks=run["start_ticks"])
+
+    def _resume_recovery(self, row: dict[str, Any]) -> None:
+        iid = row["recovery_incident"]
+        inc = self.db.incident(iid) if iid else None
+        if inc is None:
+            self.set_phase("running", "")
+            return
+        run = self.run_row or {}
+        targets = []
+        if run.get("pid") and identity_alive(run["pid"], run["start_ticks"]):
+            targets.append((run["pid"], run["start_ticks"]))
+        log.info("job %s: resuming the recovery from %s (incident %d) interrupted by a daemon "
+                 "restart", self.name, inc["kind"], iid)
+        self.db.add_action(self.name, "resume", "recovery resumed after a daemon restart",
+                           incident_id=iid)
+        self.recovery = Recovery(self, iid, inc["kind"], targets=targets,
+                                 pgid=run.get("pgid") if targets else None, gpu_pids=set(),
+                                 candidates=[], failure_wall=inc["started_at"], resumed=True)
+
+    # ------------------------------------------------------------------------------ spawning
+
+    def _runs_dir(self) -> Path:
+        return self.daemon.state_dir / "runs"
+
+    def _spawn(self, what: str, attempt: int | None, incident_id: int | None) -> None:
+        """Intent → spawn → completion. The completion transaction is the only place a restart
+        is counted."""
+        seq = self.db.next_seq(self.name)
+        status_file = self._runs_dir() / f"{self.name}-{seq}.json"
+        sysd = use_systemd_run(self.daemon_cfg.systemd_run)
+        aid = self.db.add_action(
+            self.name, what, "pending", incident_id=incident_id, attempt=attempt,
+            detail=json.dumps({"seq": seq, "status_file": str(status_file),
+                               "how": "systemd-run" if sysd else "setsid"}), done=False)
+        try:
+            sp = spawn(self.name, seq, tuple(self.cfg.command or ()), status_file=status_file,
+                       log=self.log_path(), cwd=self.cfg.cwd, env=dict(self.cfg.env),
+                       systemd_run=sysd)
+        except SpawnError as e:
+            self.db.complete_action(aid, f"failed: {e}")
+            raise
+        with self.db.tx():
+            run_id = self.db.add_run(self.name, seq, sp.how, status_file=str(status_file),
+                                     unit=sp.unit, wrapper_pid=sp.wrapper_pid,
+                                     wrapper_start_ticks=sp.wrapper_start_ticks)
+            self.db.complete_action(aid, f"started run {seq} ({sp.how}"
+                                         + (f", wrapper pid {sp.wrapper_pid}" if sp.wrapper_pid else "")
+                                         + (f", unit {sp.unit}" if sp.unit else "") + ")")
+            fields: dict[str, Any] = {"phase": "starting", "phase_detail": f"run {seq}",
+                                      "recovery_incident": None, "pid": None, "start_ticks": None}
+            if attempt is not None:
+                fields["restarts"] = attempt
+            self.db.update_job(self.name, **fields)
+        self.phase = "starting"
+        self.popen = sp.popen
+        self.run_row = self.db.run(run_id)
+        self._forget_processes()
+        self._starting_since = self.clock.monotonic()
+        self.exit_noted = False
+        self.synthetic = None
+        log.info("job %s: %s run %d (%s)%s", self.name,
+                 "started" if attempt is None else f"restarted (restart {attempt})", seq, sp.how,
+                 f": {' '.join(self.cfg.command or ())}")
+
+    def start_first(self) -> None:
+        if self.dry_run:
+            # Only in memory: a later daemon that is not a dry run starts it.
+            self.phase = "stopped"
+            self.db.update_job(self.name, phase_detail="dry run: not started")
+            log.info("job %s: dry run: not started", self.name)
+            return
+        try:
+            self._spawn("start", None, None)
+        except SpawnError as e:
+            log.error("job %s: cannot start: %s", self.name, e)
+            self.set_phase("stopped", f"cannot start: {e}")
+
+    def restart(self, attempt: int, incident_id: int) -> None:
+        self._spawn("restart", attempt, incident_id)
+
+    def _adopt_status(self, doc: dict[str, Any]) -> None:
+        run = self.run_row
+        pid, ticks = doc.get("pid"), doc.get("start_ticks")
+        self.db.update_run(run["id"], pid=pid, start_ticks=ticks, pgid=doc.get("pgid"),
+                           wrapper_pid=doc.get("wrapper_pid"),
+                           wrapper_start_ticks=doc.get("wrapper_start_ticks"))
+        self.run_row = self.db.run(run["id"])
+        if pid and ticks is not None:
+            self.set_target(pid, ticks)
+            self.set_phase("running", f"pid {pid}", pid=pid, start_ticks=ticks)
+            log.info("job %s: running as pid %d (run %d)", self.name, pid, run["seq"])
+
+    # --------------------------------------------------------------------------- exits
+
+    def reap(self) -> None:
+        """Collect our wrapper's exit (SIGCHLD woke us): keeps zombies from piling up."""
+        if self.popen is not None and self.popen.poll() is not None:
+            if self.run_row and self.run_row.get("how") == "systemd-run":
+                err = b""
+                try:
+                    err = self.popen.stderr.read() if self.popen.stderr else b""
+                    if self.popen.stderr:
+                        self.popen.stderr.close()
+                except OSError:
+                    pass
+                if self.popen.returncode != 0:
+                    self._spawn_error = (err.decode("utf-8", "replace").strip()
+                                         or f"exit status {self.popen.returncode}")
+            self.popen = None
+
+    def _poll_run(self) -> None:
+        run = self.run_row
+        if run is None:
+            return
+        wrapper_running = self.popen is not None and self.popen.poll() is None
+        self.reap()
+        doc = read_status(run["status_file"])
+        if run["pid"] is None:
+            if self.synthetic is not None:
+                return  # already known lost
+            if doc and doc.get("pid"):
+                self._adopt_status(doc)
+                run = self.run_row
+            elif doc and doc.get("state") == "exited":
+                self._lost(f"could not start: {doc.get('error') or 'exit ' + str(doc.get('returncode'))}")
+                self.db.update_run(run["id"], ended_at=doc.get("ended_at"),
+                                   returncode=doc.get("returncode"), end_reason="exec failed")
+                return
+            else:
+                waited = self.clock.monotonic() - (self._starting_since or self.clock.monotonic())
+                if run["how"] == "systemd-run":
+                    # The unit starts asynchronously: wait for its wrapper's status file.
+                    if self.popen is not None:
+                        return
+                    if self._spawn_error:
+                        self._lost(f"systemd-run failed: {self._spawn_error}")
+                    elif waited > 30.0:
+                        self._lost("the transient unit wrote no status within 30 s")
+                    else:
+                        return
+                    self.db.update_run(run["id"], ended_at=self.clock.time(),
+                                       end_reason="spawn failed")
+                    return
+                if wrapper_running or identity_alive(run["wrapper_pid"], run["wrapper_start_ticks"]):
+                    return
+                doc = read_status(run["status_file"])  # it may have written just before exiting
+                if doc and doc.get("pid"):
+                    self._adopt_status(doc)
+                    return
+                self._lost("the wrapper exited without starting the job")
+                self.db.update_run(run["id"], ended_at=self.clock.time(), end_reason="lost")
+                return
+        if self.exit_noted or self.synthetic is not None:
+            return
+        pid, ticks = run["pid"], run["start_ticks"]
+        if doc and doc.get("state") == "exited" and doc.get("pid") == pid:
+            rc = int(doc.get("returncode"))
+            self.collector.note_exit(pid, ticks, rc)
+            self.exit_noted, self.exit_rc = True, rc
+            self.db.update_run(run["id"], ended_at=doc.get("ended_at"), returncode=rc,
+                               end_reason="exited")
+            self.run_row = self.db.run(run["id"])
+            how = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
+            log.info("job %s: pid %d exited (%s)", self.name, pid, how)
+            return
+        if identity_exists(pid, ticks):
+            self._gone_ticks = 0
+            return
+        wrapper_alive = wrapper_running or identity_alive(run["wrapper_pid"],
+                                                          run["wrapper_start_ticks"])
+        self._gone_ticks += 1
+        if wrapper_alive and self._gone_ticks < 50:
+            return  # it is writing the status right now
+        if self._gone_ticks >= 3:
+            self.db.update_run(run["id"], ended_at=self.clock.time(), end_reason="lost")
+            self._lost(f"pid {pid} is gone and its exit status was never written (the wrapper "
+                       "was killed, or the machine rebooted)")
+
+    def _lost(self, why: str) -> None:
+        self.synthetic = Verdict(kind="crash", summary=f"{self.name}: {why}", cause="lost",
+                                 severity="critical", rule="daemon:lost",
+                                 advice=("read the end of the job's log for how it ended",))
+        log.warning("job %s: %s", self.name, why)
+
+    def _poll_pid_file(self) -> None:
+        path = self.cfg.pid_file
+
+        def read() -> int | None:
+            try:
+                text = Path(path).read_text().strip().split()[0]
+                return int(text)
+            except (OSError, ValueError, IndexError):
+                return None
+
+        pid, _rep = self.collector.runner.call(f"pid_file-{self.name}", read, 2.0)
+        if not pid or pid == self._pid_file_pid:
+            return
+        st = proc_state(pid)
+        if st is None:
+            return
+        self._pid_file_pid = pid
+        self.set_target(pid, st[1])
+        self.db.add_run(self.name, 0, "attached", pid=pid, start_ticks=st[1])
+        self.db.update_job(self.name, pid=pid, start_ticks=st[1])
+        log.info("job %s: attached to pid %d from %s", self.name, pid, path)
+
+    # --------------------------------------------------------------------------------- tick
+
+    def tick(self) -> None:
+        if self.phase in TERMINAL and self.recovery is None:
+            self._poll_evidence()  # a bundle still being written for its last incident
+            return
+        if self.cfg.supervised:
+            self._poll_run()
+        elif self.cfg.pid_file is not None:
+            self._poll_pid_file()
+        self._ensure_collector()
+        snap = self.collector.tick()
+        v = features(snap)
+        ev = self.evaluator.evaluate(v, snap.t_mono)
+        self.last_snap, self.last_eval, self.last_vars = snap, ev, v
+        if snap.processes is not None and snap.processes.processes:
+            self.last_alive_snap = snap
+        for e in ev.errors:
+            log.debug("job %s: rule %s: %s: %s", self.name, e.rule, e.where, e.error)
+        verdict = ev.verdict
+        if self.synthetic is not None and verdict.kind in ("unknown", "finished", "healthy"):
+            verdict = self.synthetic
+        self.verdict = verdict
+        self._persist(snap, verdict)
+        self._poll_evidence()
+        self._incidents(snap, ev, v, verdict)
+        self._act(snap, v, verdict)
+        if self.recovery is not None:
+            self.recovery.step(snap)
+            if self.recovery.finished:
+                self.recovery = None
+        self._settle(verdict)
+
+    def _persist(self, snap: Any, verdict: Verdict) -> None:
+        fields: dict[str, Any] = {"verdict_json": json.dumps(verdict_doc(verdict, snap.t_wall)),
+                                  "verdict_at": snap.t_wall}
+        if snap.kernel is not None and snap.kernel.cursor is not None:
+            fields["kmsg_cursor"] = snap.kernel.cursor
+            fields["kmsg_boot_id"] = self.daemon.boot_id
+        if snap.processes is not None and snap.processes.targets:
+            pid = snap.processes.targets[0]
+            p = next((p for p in snap.processes.processes if p.pid == pid), None)
+            fields["pid"] = pid
+            if p is not None:
+                fields["start_ticks"] = p.start_ticks
+        self.db.update_job(self.name, **fields)
+
+    # ----------------------------------------------------------------------------- incidents
+
+    def _in_startup_grace(self, v: dict[str, Any]) -> bool:
+        if not self.cfg.supervised or self.run_row is None:
+            return False
+        return self.clock.time() - self.run_row["started_at"] < self._startup_grace_s(v)
+
+    def _incidents(self, snap: Any, ev: Evaluation, v: dict[str, Any], verdict: Verdict) -> None:
+        kind = verdict.kind
+        firing = {a.kind for a in ev.alerts if a.state == AlertState.FIRING and not a.warning}
+        if self.synthetic is not None:
+            firing.add(self.synthetic.kind)
+        if (kind in PROBLEM_KINDS and kind not in self.incidents and self.recovery is None
+                and (self.phase != "starting" or self.synthetic is not None)
+                and not (kind in STALL_KINDS and self._in_startup_grace(v))):
+            self._open_incident(kind, verdict, snap, ev, v)
+        for k, inc in list(self.incidents.items()):
+            if k in firing:
+                continue
+            if self.recovery is not None and self.recovery.incident_id == inc["id"]:
+                continue
+            if kind == "unknown" or self.phase == "starting":
+                continue  # no positive evidence yet that the problem is gone
+            self._resolve(k, inc, snap.t_wall, f"no longer {k}: now {kind}")
+
+    def resolve_by_restart(self, incident_id: int, attempt: int) -> None:
+        """The recovery restarted the job: the failed run is gone, so is this incident. If the
+        new run fails too, that is a new episode with an alert of its own."""
+        for k, inc in list(self.incidents.items()):
+            if inc["id"] == incident_id:
+                self._resolve(k, inc, self.clock.time(), f"restarted (restart {attempt})")
+
+    def _open_incident(self, kind: str, verdict: Verdict, snap: Any, ev: Evaluation,
+                       v: dict[str, Any]) -> None:
+        vd = verdict_doc(verdict, snap.t_wall)
+        iid, episode = self.db.open_incident(self.name, kind, verdict.summary, vd,
+                                             started_at=snap.t_wall)
+        inc: dict[str, Any] = {"id": iid, "episode": episode}
+        self.incidents[kind] = inc
+        log.warning("job %s: incident %d: %s: %s", self.name, iid, kind, verdict.summary)
+        self.db.add_action(self.name, "detect", f"{kind}: {verdict.summary}", incident_id=iid)
+        if self.daemon_cfg.evidence and self.toolkit.evidence_available():
+            bundle = self.daemon.state_dir / "evidence" / f"{self.name}-{iid}-{kind}"
+            inc["bundle"] = str(bundle)
+            inc["evidence_action"] = self.db.add_action(self.name, "evidence", "pending",
+                                                        incident_id=iid, detail=str(bundle),
+                                                        done=False)
+            inc["evidence_future"] = run_in_thread(
+                f"evidence-{self.name}", self.toolkit.run_evidence, snap, verdict, bundle,
+                evaluation=ev, features=v, clock=self.clock, log=self.log_path(),
+                job=self.name, timeout_s=min(15.0, self.daemon_cfg.evidence_timeout_s))
+            self.db.update_incident(iid, evidence_bundle=str(bundle))
+        note = self._budget_note(kind)
+        if note:
+            self.db.update_incident(iid, note=note)
+        self.emit_alert(iid, "firing", summary_override=f"{verdict.summary}; {note}" if note else None)
+
+    def _budget_note(self, kind: str) -> str:
+        """Said in the incident's first alert when this failure will not be restarted: the
+        dispatcher sends one firing alert per incident, so the news must be in that one."""
+        if not (self.cfg.supervised and self.cfg.restart == "on-failure" and kind in RESTART_KINDS):
+            return ""
+        done = self.restarts()
+        if done >= self.cfg.max_restarts:
+            what = "it is left stopped" if kind == "crash" else "it is killed and left stopped"
+            return (f"restart budget used up ({done} of max_restarts = {self.cfg.max_restarts}): "
+                    f"{what}")
+        return ""
+
+    def _poll_evidence(self) -> None:
+        for inc in self.incidents.values():
+            fut = inc.get("evidence_future")
+            if fut is None or not fut.done():
+                continue
+            inc["evidence_future"] = None
+            try:
+                path = fut.result()
+                self.db.complete_action(inc["evidence_action"], f"written: {path}")
+                self.db.update_incident(inc["id"], evidence_bundle=str(path))
+            except Exception as e:  # noqa: BLE001
+                log.warning("job %s: evidence bundle failed: %s: %s", self.name,
+                            type(e).__name__, e)
+                self.db.complete_action(inc["evidence_action"], f"failed: {type(e).__name__}: {e}")
+
+    def _resolve(self, kind: str, inc: dict[str, Any], at: float, why: str) -> None:
+        self.db.resolve_incident(inc["id"], at)
+        self.db.add_action(self.name, "resolve", why, incident_id=inc["id"])
+        log.info("job %s: incident %d (%s) resolved: %s", self.name, inc["id"], kind, why)
+        del self.incidents[kind]
+        self.emit_alert(inc["id"], "resolved")
+
+    # --------------------------------------------------------------------------------- acting
+
+    def _startup_grace_s(self, v: dict[str, Any]) -> float:
+        if self.cfg.startup_grace_s is not None:
+            return self.cfg.startup_grace_s
+        return float(v.get("stall_threshold_s") or 0.0)
+
+    def _act(self, snap: Any, v: dict[str, Any], verdict: Verdict) -> None:
+        kind = verdict.kind
+        if (self.recovery is not None or not self.cfg.supervised or kind not in RESTART_KINDS
+                or kind not in self.incidents):
+            return
+        if self.phase != "running" and not (self.phase == "starting" and self.synthetic):
+            return
+        if self.cfg.restart != "on-failure":
+            return
+        if kind in STALL_KINDS and self._in_startup_grace(v):
+            return
+        inc = self.incidents[kind]
+        if inc["id"] in self.dry_run_done:
+            return
+        run = self.run_row or {}
+        base = self.last_alive_snap or snap
+        targets: list[tuple[int, int]] = []
+        gpu_pids: set[int] = set()
+        if base.processes is not None:
+            targets = [(p.pid, p.start_ticks) for p in base.processes.processes
+                       if p.state not in ("Z", "X")]
+        if run.get("pid") and run.get("start_ticks") is not None:
+            targets.insert(0, (run["pid"], run["start_ticks"]))
+        # Only identities that still hold: a reused pid is never handed to the kill.
+        targets = [t for t in dict.fromkeys(targets) if identity_exists(*t)]
+        pgid = run.get("pgid") if targets else None
+        if base.gpu is not None and base.gpu.status == "ok":
+            pids = {p for p, _ in targets} | {p.pid for p in (base.processes.processes
+                                                              if base.processes else ())}
+            gpu_pids = {pr.pid for d in base.gpu.devices for pr in (d.processes or ())
+                        if pr.pid in pids}
+        log.warning("job %s: %s: killing and resuming (incident %d)", self.name, kind, inc["id"])
+        self.recovery = Recovery(self, inc["id"], kind, targets=targets, pgid=pgid,
+                                 gpu_pids=gpu_pids,
+                                 candidates=candidates_from(base, self.cfg.outputs),
+                                 failure_wall=snap.t_wall, evidence=inc.get("evidence_future"))
+
+    def _settle(self, verdict: Verdict) -> None:
+        """Terminal phases: a supervised job that ended and will not be restarted."""
+        if not self.cfg.supervised or self.recovery is not None or self.phase in TERMINAL:
+            return
+        ended = self.exit_noted or self.synthetic is not None
+        if not ended:
+            return
+        if self.exit_rc == 0 and self.synthetic is None:
+            self.set_phase("finished", "exit code 0")
+            log.info("job %s: finished", self.name)
+            return
+        if self.cfg.restart == "on-failure" and verdict.kind in RESTART_KINDS:
+            return  # the recovery starts on the next tick that has the incident
+        how = "lost" if self.synthetic is not None else (
+            f"killed by signal {-self.exit_rc}" if (self.exit_rc or 0) < 0 else f"exit code {self.exit_rc}")
+        why = f'{how}; restart = "no"' if self.cfg.restart == "no" else \
+            f"{how} with verdict {verdict.kind}: not restarted for that"
+        self.set_phase("stopped", why)
+        log.warning("job %s: stopped: %s", self.name, why)
+
+    # --------------------------------------------------------------------------------- alerts
+
+    def emit_alert(self, incident_id: int, state: str, summary_override: str | None = None) -> None:
+        from stallwatch.events import AlertEvent, EvidenceLine, ProgressInfo
+
+        inc = self.db.incident(incident_id)
+        if inc is None:
+            return
+        try:
+            vd = json.loads(inc["verdict_json"])
+        except ValueError:
+            vd = {}
+        actions = tuple(f"{a['what']}: {a['outcome']}" for a in self.db.actions(incident_id)
+                        if a["outcome"] != "pending")
+        progress = None
+        lv = (self.last_vars or {}).get("log") or {}
+        if lv.get("has_progress"):
+            progress = ProgressInfo(
+                done=lv.get("done"), total=lv.get("total") if lv.get("total_known") else None,
+                rate_per_s=lv.get("rate_per_s") if (lv.get("rate_per_s") or -1) >= 0 else None,
+                eta_s=lv.get("eta_s") if (lv.get("eta_s") or -1) >= 0 else None,
+                last_progress_age_s=lv.get("idle_s") if lv.get("idle_known") else None)
+        sev = vd.get("severity") or "critical"
+        if sev not in ("info", "warning", "critical"):
+            sev = "critical"
+        event = AlertEvent(
+            job=self.name, kind=inc["kind"], state=state,
+            summary=summary_override or inc["summary"] or vd.get("summary", ""),
+            evidence=tuple(EvidenceLine(signal=e.get("signal", ""), detail=e.get("detail", ""))
+                           for e in vd.get("evidence", ())),
+            advice=tuple(vd.get("advice", ())), cause=vd.get("cause"), severity=sev,
+            host=self.daemon.host, incident_id=incident_id, episode=inc["episode"],
+            started_at=inc["started_at"], resolved_at=inc["resolved_at"], at=self.clock.time(),
+            progress=progress, actions=actions, evidence_bundle=inc["evidence_bundle"])
+        self.daemon.submit_alert(event)
+
+
+# --------------------------------------------------------------------------------- reconcile
+
+def reconcile_intents(db, job: str, *, settle_s: float = 5.0, clock=None) -> list[str]:
+    """Finish the intents a killed daemon left `pending`, from what exists now. Returns notes.
+
+    start/restart: the spawn happened if its status file exists or a wrapper naming that file
+    is alive — then the run is recorded and (for a restart) counted, once, here; otherwise it
+    never happened and nothing is counted (the recovery, resumed, will do it). A spawn younger
+    than `settle_s` is given that long to show itself first (a wrapper between fork and exec
+    does not yet carry its command line). Other intents (kill, validate, evidence) are marked
+    interrupted: the resumed recovery redoes them, identity-checked.
+    """
+    import time as _time
+
+    clock = clock or _time
+    notes: list[str] = []
+    for a in db.pending_actions(job):
+        if a["what"] in ("start", "restart"):
+            try:
+                d = json.loads(a["detail"] or "{}")
+            except ValueError:
+                d = {}
+            sf = d.get("status_file")
+            doc = read_status(sf)
+            wrapper = find_wrapper(sf) if (doc is None and sf) else None
+            if doc is None and wrapper is None and sf:
+                age = clock.time() - a["at"]
+                if age < settle_s:
+                    _time.sleep(settle_s - age)
+                    doc = read_status(sf)
+                    wrapper = find_wrapper(sf) if doc is None else None
+            if doc is not None or wrapper is not None:
+                with db.tx():
+                    fields: dict[str, Any] = {"status_file": sf, "started_at": a["at"]}
+                    if doc is not None:
+                        fields.update(pid=doc.get("pid"), start_ticks=doc.get("start_ticks"),
+                                      pgid=doc.get("pgid"), wrapper_pid=doc.get("wrapper_pid"),
+                                      wrapper_start_ticks=doc.get("wrapper_start_ticks"))
+                    elif wrapper is not None:
+                        st = proc_state(wrapper)
+                        fields.update(wrapper_pid=wrapper,
+                                      wrapper_start_ticks=st[1] if st else None)
+                    db.add_run(job, int(d.get("seq") or 0), d.get("how") or "setsid", **fields)
+                    db.complete_action(a["id"], f"started run {d.get('seq')} (completed on "
+                                                "daemon start-up: the spawn had happened)")
+                    upd: dict[str, Any] = {"phase": "starting", "recovery_incident": None}
+                    if a["what"] == "restart" and a["attempt"] is not None:
+                        row = db.job(job)
+                        upd["restarts"] = max(int(row["restarts"]), int(a["attempt"]))
+                    db.update_job(job, **upd)
+                notes.append(f"{a['what']} {a['id']}: had happened")
+                log.info("job %s: a %s the previous daemon began did happen: recorded once",
+                         job, a["what"])
+            else:
+                db.complete_action(a["id"], "not started: the daemon stopped before the spawn "
+                                            "(reconciled on start-up; not counted)")
+                notes.append(f"{a['what']} {a['id']}: had not happened")
+                log.info("job %s: a %s the previous daemon intended never happened: not counted",
+                         job, a["what"])
+        else:
+            db.complete_action(a["id"], "interrupted by a daemon restart")
+            notes.append(f"{a['what']} {a['id']}: interrupted")
+    return notes

@@ -1,0 +1,73 @@
+"""Who listens on a TCP port: the server process behind a URL, found from /proc alone.
+
+The server's processes are not in the job's tree (they were started elsewhere), yet their states
+are the evidence for server_hang: which rank is stopped, which spins in a collective. We find
+the listening socket's inode in /proc/net/tcp{,6} and the process holding it among /proc/*/fd.
+That scan touches every fd on the host, so it runs once and again only when the pid is gone.
+"""
+
+from __future__ import annotations
+
+from stallwatch import procfs
+from stallwatch.roots import Absent, Denied, Roots
+
+LISTEN = "LISTEN"
+
+
+def listener_pid(port: int, roots: Roots) -> int | None:
+    inodes: set[int] = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            text = roots.read_text(roots.proc / "net" / table, limit=64 << 20)
+        except (Absent, Denied):
+            continue
+        inodes |= {s.inode for s in procfs.parse_net_tcp(text) if s.state == LISTEN and s.local_port == port}
+    if not inodes:
+        return None
+    owners = []
+    for name in roots.listdir(roots.proc):
+        if not name.isdigit():
+            continue
+        fd_dir = roots.proc / name / "fd"
+        try:
+            for fd in roots.listdir(fd_dir):
+                try:
+                    if procfs.socket_inode(roots.readlink(fd_dir / fd)) in inodes:
+                        owners.append(int(name))
+                        break
+                except (Absent, Denied):
+                    continue
+        except (Absent, Denied):
+            continue
+    # Forked workers inherit the listening socket: the lowest pid is the one that created it.
+    return min(owners) if owners else None
+
+
+class ServerProcessesProbe:
+    """The process tree of whoever listens on the server's port (local servers only)."""
+
+    name = "server_processes"
+
+    def __init__(self, port: int, roots: Roots, clock) -> None:
+        self.port = port
+        self.roots = roots
+        self.clock = clock
+        self._probe = None
+        self._pid: int | None = None
+
+    def collect(self):
+        from stallwatch.probes.processes import ProcessesProbe
+        from stallwatch.targets import Target
+
+        if self._probe is not None:
+            obs = self._probe.collect()
+            if obs.targets:
+                return obs
+            self._probe = None  # the server is gone (or restarted): look again
+        pid = listener_pid(self.port, self.roots)
+        if pid is None:
+            raise Absent(f"no local process listens on port {self.port}")
+        self._pid = pid
+        self._probe = ProcessesProbe(Target(pids=(pid,)), roots=self.roots, clock=self.clock,
+                                     read_stacks=True)
+        return self._probe.collect()

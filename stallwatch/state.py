@@ -1,0 +1,399 @@
+"""The daemon's memory: SQLite in WAL mode in the state directory.
+
+What it must survive: a daemon killed with SIGKILL at any instant, then started again. So
+- every change is one transaction (sqlite's journal makes it all or nothing);
+- an action with a side effect outside the database (start a process, kill one, move a file)
+  is recorded as an *intent* first (`actions.outcome = 'pending'`), done, then completed in a
+  second transaction. On start-up `pending` intents are reconciled with reality (is there a
+  process for that restart? then it happened; else it did not) — so a restart is counted exactly
+  once, in the transaction that completes it;
+- a process is identified by (pid, start_ticks), never by pid alone: a reused pid is a stranger.
+
+WAL lets `stallwatch status` read while the daemon writes. synchronous=NORMAL: in WAL mode that
+is durable against a crash of the process (SIGKILL); only a power loss may lose the last
+transactions, never corrupt the file.
+
+Tables (schema version 1):
+    meta(key, value)                      daemon pid, start, last tick, config path, boot id
+    jobs(name, ...)                       one row per configured job: phase, restarts, verdict,
+                                          current pid + start_ticks, kmsg cursor
+    runs(id, job, seq, ...)               each process stallwatch started (wrapper and job) or
+                                          attached to, with pid + start_ticks, exit status
+    incidents(id, job, kind, episode,...) one per job+kind episode; verdict JSON, evidence bundle
+    actions(id, incident_id, job, what, attempt, at, outcome, detail, done_at)
+    alert_events(id, incident_id, job, kind, state, at, summary, event_json)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import stat
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from stallwatch.errors import UsageError
+
+DB_NAME = "stallwatch.db"
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (
+    key   TEXT PRIMARY KEY,
+    value TEXT
+);
+CREATE TABLE IF NOT EXISTS jobs (
+    name          TEXT PRIMARY KEY,
+    mode          TEXT NOT NULL,              -- command | pid_file | match
+    config_json   TEXT NOT NULL,
+    phase         TEXT NOT NULL DEFAULT 'new',
+    phase_detail  TEXT NOT NULL DEFAULT '',
+    restarts      INTEGER NOT NULL DEFAULT 0, -- completed restarts (intents do not count)
+    starts        INTEGER NOT NULL DEFAULT 0, -- spawns so far: numbers status files and units
+    recovery_incident INTEGER,                -- the incident a recovery in progress serves
+    verdict_json  TEXT,
+    verdict_at    REAL,
+    pid           INTEGER,                    -- the job's main process now, with its identity
+    start_ticks   INTEGER,
+    kmsg_cursor   INTEGER,
+    kmsg_boot_id  TEXT,
+    created_at    REAL NOT NULL,
+    updated_at    REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS runs (
+    id            INTEGER PRIMARY KEY,
+    job           TEXT NOT NULL,
+    seq           INTEGER NOT NULL,           -- jobs.starts at spawn time; 0 for attached
+    how           TEXT NOT NULL,              -- setsid | systemd-run | attached
+    pid           INTEGER,                    -- the job's process (the wrapper's child)
+    start_ticks   INTEGER,
+    pgid          INTEGER,
+    wrapper_pid   INTEGER,
+    wrapper_start_ticks INTEGER,
+    status_file   TEXT,
+    unit          TEXT,
+    started_at    REAL NOT NULL,
+    ended_at      REAL,
+    returncode    INTEGER,                    -- negative: killed by that signal
+    end_reason    TEXT
+);
+CREATE INDEX IF NOT EXISTS runs_job ON runs(job, id);
+CREATE TABLE IF NOT EXISTS incidents (
+    id            INTEGER PRIMARY KEY,
+    job           TEXT NOT NULL,
+    kind          TEXT NOT NULL,
+    episode       INTEGER NOT NULL,           -- earlier incidents of this job and kind
+    state         TEXT NOT NULL DEFAULT 'open', -- open | resolved
+    started_at    REAL NOT NULL,
+    resolved_at   REAL,
+    summary       TEXT NOT NULL DEFAULT '',
+    verdict_json  TEXT NOT NULL,
+    evidence_bundle TEXT,
+    note          TEXT NOT NULL DEFAULT ''    -- e.g. "unkillable: pid 123 in D, wchan ...; resume waits"
+);
+CREATE INDEX IF NOT EXISTS incidents_job ON incidents(job, state);
+CREATE TABLE IF NOT EXISTS actions (
+    id            INTEGER PRIMARY KEY,
+    incident_id   INTEGER,
+    job           TEXT NOT NULL,
+    what          TEXT NOT NULL,              -- evidence | kill | wait | validate | restart | give_up | alert ...
+    attempt       INTEGER,
+    at            REAL NOT NULL,
+    outcome       TEXT NOT NULL,              -- 'pending' while an intent; then what happened
+    detail        TEXT NOT NULL DEFAULT '',
+    done_at       REAL
+);
+CREATE INDEX IF NOT EXISTS actions_incident ON actions(incident_id);
+CREATE TABLE IF NOT EXISTS alert_events (
+    id            INTEGER PRIMARY KEY,
+    incident_id   INTEGER,
+    job           TEXT NOT NULL,
+    kind          TEXT NOT NULL,
+    state         TEXT NOT NULL,              -- firing | resolved
+    at            REAL NOT NULL,
+    summary       TEXT NOT NULL,
+    event_json    TEXT NOT NULL
+);
+"""
+
+
+def _row(cur: sqlite3.Cursor, row: tuple) -> dict[str, Any]:
+    return {d[0]: v for d, v in zip(cur.description, row)}
+
+
+class StateDB:
+    """One connection, used from one thread (the daemon's loop, or `status`)."""
+
+    def __init__(self, conn: sqlite3.Connection, path: Path, clock=time) -> None:
+        self.conn = conn
+        self.path = path
+        self._clock = clock
+        self._depth = 0
+
+    # ------------------------------------------------------------------------------ opening
+
+    @classmethod
+    def open(cls, state_dir: str | os.PathLike[str], *, clock=time) -> "StateDB":
+        """Create the state dir (0700) and the database (0600) if needed; migrate; WAL."""
+        d = Path(state_dir)
+        try:
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            st = d.stat()
+            if stat.S_IMODE(st.st_mode) & 0o077 and st.st_uid == os.geteuid():
+                os.chmod(d, 0o700)
+        except OSError as e:
+            raise UsageError(f"state_dir {d}: cannot create or use it: {e.strerror or e}") from None
+        path = d / DB_NAME
+        old_umask = os.umask(0o077)
+        try:
+            conn = sqlite3.connect(path, timeout=10.0, isolation_level=None)
+        except sqlite3.Error as e:
+            raise UsageError(f"{path}: cannot open the state database: {e}") from None
+        finally:
+            os.umask(old_umask)
+        try:
+            os.chmod(path, 0o600)
+        except OSError:
+            pass
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA busy_timeout=10000")
+        conn.execute("PRAGMA foreign_keys=ON")
+        db = cls(conn, path, clock)
+        conn.executescript(_SCHEMA)
+        for suffix in ("-wal", "-shm"):
+            try:
+                os.chmod(str(path) + suffix, 0o600)
+            except OSError:
+                pass
+        with db.tx():
+            v = db.get_meta("schema_version")
+            if v is None:
+                db.set_meta("schema_version", str(SCHEMA_VERSION))
+            elif int(v) > SCHEMA_VERSION:
+                raise UsageError(f"{path}: written by a newer stallwatch (schema {v}); "
+                                 f"this one knows {SCHEMA_VERSION}")
+        return db
+
+    @classmethod
+    def open_readonly(cls, state_dir: str | os.PathLike[str]) -> "StateDB":
+        """For `status`: never creates anything; works while the daemon writes (WAL)."""
+        path = Path(state_dir) / DB_NAME
+        if not path.exists():
+            raise UsageError(f"{path}: no state database (has `stallwatch run` run with this "
+                             f"state_dir?)")
+        try:
+            conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10.0,
+                                   isolation_level=None)
+            conn.execute("PRAGMA busy_timeout=10000")
+            conn.execute("SELECT 1 FROM meta LIMIT 1")
+        except sqlite3.Error as e:
+            raise UsageError(f"{path}: cannot read the state database: {e}") from None
+        return cls(conn, path)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    # --------------------------------------------------------------------------- transactions
+
+    @contextmanager
+    def tx(self) -> Iterator[sqlite3.Connection]:
+        """One transaction; nested uses join the outer one."""
+        if self._depth:
+            self._depth += 1
+            try:
+                yield self.conn
+            finally:
+                self._depth -= 1
+            return
+        self.conn.execute("BEGIN IMMEDIATE")
+        self._depth = 1
+        try:
+            yield self.conn
+        except BaseException:
+            self._depth = 0
+            self.conn.execute("ROLLBACK")
+            raise
+        self._depth = 0
+        self.conn.execute("COMMIT")
+
+    def _q(self, sql: str, args: tuple = ()) -> list[dict[str, Any]]:
+        cur = self.conn.execute(sql, args)
+        return [_row(cur, r) for r in cur.fetchall()]
+
+    def _one(self, sql: str, args: tuple = ()) -> dict[str, Any] | None:
+        rows = self._q(sql, args)
+        return rows[0] if rows else None
+
+    def now(self) -> float:
+        return self._clock.time()
+
+    # ------------------------------------------------------------------------------------ meta
+
+    def get_meta(self, key: str) -> str | None:
+        r = self._one("SELECT value FROM meta WHERE key = ?", (key,))
+        return r["value"] if r else None
+
+    def set_meta(self, key: str, value: Any) -> None:
+        if not isinstance(value, str) and value is not None:
+            value = json.dumps(value)
+        with self.tx():
+            self.conn.execute("INSERT INTO meta(key, value) VALUES(?, ?) ON CONFLICT(key) "
+                              "DO UPDATE SET value = excluded.value", (key, value))
+
+    def meta(self) -> dict[str, str]:
+        return {r["key"]: r["value"] for r in self._q("SELECT key, value FROM meta")}
+
+    # ------------------------------------------------------------------------------------ jobs
+
+    def ensure_job(self, name: str, mode: str, config_json: str) -> dict[str, Any]:
+        now = self.now()
+        with self.tx():
+            self.conn.execute(
+                "INSERT INTO jobs(name, mode, config_json, created_at, updated_at) "
+                "VALUES(?, ?, ?, ?, ?) ON CONFLICT(name) DO NOTHING",
+                (name, mode, config_json, now, now))
+        return self.job(name)  # type: ignore[return-value]
+
+    def job(self, name: str) -> dict[str, Any] | None:
+        return self._one("SELECT * FROM jobs WHERE name = ?", (name,))
+
+    def jobs(self) -> list[dict[str, Any]]:
+        return self._q("SELECT * FROM jobs ORDER BY created_at, name")
+
+    def update_job(self, name: str, **fields: Any) -> None:
+        if not fields:
+            return
+        fields["updated_at"] = self.now()
+        cols = ", ".join(f"{k} = ?" for k in fields)
+        with self.tx():
+            self.conn.execute(f"UPDATE jobs SET {cols} WHERE name = ?",
+                              (*fields.values(), name))
+
+    def next_seq(self, name: str) -> int:
+        """Reserve the next spawn number (status file and unit name) — its own transaction, so a
+        number is never reused even when the spawn that took it never happened."""
+        with self.tx():
+            self.conn.execute("UPDATE jobs SET starts = starts + 1, updated_at = ? WHERE name = ?",
+                              (self.now(), name))
+            return self._one("SELECT starts FROM jobs WHERE name = ?", (name,))["starts"]
+
+    # ------------------------------------------------------------------------------------ runs
+
+    def add_run(self, job: str, seq: int, how: str, **fields: Any) -> int:
+        fields.setdefault("started_at", self.now())
+        cols = ["job", "seq", "how", *fields]
+        with self.tx():
+            cur = self.conn.execute(
+                f"INSERT INTO runs({', '.join(cols)}) VALUES({', '.join('?' * len(cols))})",
+                (job, seq, how, *fields.values()))
+            return int(cur.lastrowid)
+
+    def update_run(self, run_id: int, **fields: Any) -> None:
+        cols = ", ".join(f"{k} = ?" for k in fields)
+        with self.tx():
+            self.conn.execute(f"UPDATE runs SET {cols} WHERE id = ?", (*fields.values(), run_id))
+
+    def run(self, run_id: int) -> dict[str, Any] | None:
+        return self._one("SELECT * FROM runs WHERE id = ?", (run_id,))
+
+    def latest_run(self, job: str) -> dict[str, Any] | None:
+        return self._one("SELECT * FROM runs WHERE job = ? ORDER BY id DESC LIMIT 1", (job,))
+
+    def runs(self, job: str) -> list[dict[str, Any]]:
+        return self._q("SELECT * FROM runs WHERE job = ? ORDER BY id", (job,))
+
+    # ------------------------------------------------------------------------------- incidents
+
+    def open_incident(self, job: str, kind: str, summary: str, verdict: dict[str, Any],
+                      started_at: float | None = None) -> tuple[int, int]:
+        """(incident id, episode): episode counts this job's earlier incidents of this kind."""
+        with self.tx():
+            ep = self._one("SELECT COUNT(*) AS n FROM incidents WHERE job = ? AND kind = ?",
+                           (job, kind))["n"]
+            cur = self.conn.execute(
+                "INSERT INTO incidents(job, kind, episode, started_at, summary, verdict_json) "
+                "VALUES(?, ?, ?, ?, ?, ?)",
+                (job, kind, ep, started_at if started_at is not None else self.now(), summary,
+                 json.dumps(verdict, default=str)))
+            return int(cur.lastrowid), ep
+
+    def update_incident(self, incident_id: int, **fields: Any) -> None:
+        if "verdict_json" in fields and not isinstance(fields["verdict_json"], str):
+            fields["verdict_json"] = json.dumps(fields["verdict_json"], default=str)
+        cols = ", ".join(f"{k} = ?" for k in fields)
+        with self.tx():
+            self.conn.execute(f"UPDATE incidents SET {cols} WHERE id = ?",
+                              (*fields.values(), incident_id))
+
+    def resolve_incident(self, incident_id: int, at: float | None = None) -> None:
+        with self.tx():
+            self.conn.execute("UPDATE incidents SET state = 'resolved', resolved_at = ? "
+                              "WHERE id = ? AND state = 'open'",
+                              (at if at is not None else self.now(), incident_id))
+
+    def incident(self, incident_id: int) -> dict[str, Any] | None:
+        return self._one("SELECT * FROM incidents WHERE id = ?", (incident_id,))
+
+    def open_incidents(self, job: str) -> list[dict[str, Any]]:
+        return self._q("SELECT * FROM incidents WHERE job = ? AND state = 'open' ORDER BY id",
+                       (job,))
+
+    def incidents(self, job: str, limit: int = 50) -> list[dict[str, Any]]:
+        rows = self._q("SELECT * FROM incidents WHERE job = ? ORDER BY id DESC LIMIT ?",
+                       (job, limit))
+        return list(reversed(rows))
+
+    # --------------------------------------------------------------------------------- actions
+
+    def add_action(self, job: str, what: str, outcome: str, *, incident_id: int | None = None,
+                   attempt: int | None = None, detail: str = "", done: bool = True) -> int:
+        now = self.now()
+        with self.tx():
+            cur = self.conn.execute(
+                "INSERT INTO actions(incident_id, job, what, attempt, at, outcome, detail, done_at) "
+                "VALUES(?, ?, ?, ?, ?, ?, ?, ?)",
+                (incident_id, job, what, attempt, now, outcome, detail, now if done else None))
+            return int(cur.lastrowid)
+
+    def complete_action(self, action_id: int, outcome: str, detail: str | None = None) -> None:
+        with self.tx():
+            if detail is None:
+                self.conn.execute("UPDATE actions SET outcome = ?, done_at = ? WHERE id = ?",
+                                  (outcome, self.now(), action_id))
+            else:
+                self.conn.execute("UPDATE actions SET outcome = ?, detail = ?, done_at = ? "
+                                  "WHERE id = ?", (outcome, detail, self.now(), action_id))
+
+    def pending_actions(self, job: str, what: str | None = None) -> list[dict[str, Any]]:
+        if what is None:
+            return self._q("SELECT * FROM actions WHERE job = ? AND outcome = 'pending' "
+                           "ORDER BY id", (job,))
+        return self._q("SELECT * FROM actions WHERE job = ? AND what = ? AND outcome = 'pending' "
+                       "ORDER BY id", (job, what))
+
+    def actions(self, incident_id: int) -> list[dict[str, Any]]:
+        return self._q("SELECT * FROM actions WHERE incident_id = ? ORDER BY id", (incident_id,))
+
+    def job_actions(self, job: str) -> list[dict[str, Any]]:
+        return self._q("SELECT * FROM actions WHERE job = ? ORDER BY id", (job,))
+
+    # ---------------------------------------------------------------------------------- alerts
+
+    def record_alert(self, incident_id: int | None, job: str, kind: str, state: str,
+                     summary: str, event: dict[str, Any]) -> int:
+        with self.tx():
+            cur = self.conn.execute(
+                "INSERT INTO alert_events(incident_id, job, kind, state, at, summary, event_json) "
+                "VALUES(?, ?, ?, ?, ?, ?, ?)",
+                (incident_id, job, kind, state, self.now(), summary,
+                 json.dumps(event, default=str)))
+            return int(cur.lastrowid)
+
+    def alert_events(self, job: str | None = None) -> list[dict[str, Any]]:
+        if job is None:
+            return self._q("SELECT * FROM alert_events ORDER BY id")
+        return self._q("SELECT * FROM alert_events WHERE job = ? ORDER BY id", (job,))

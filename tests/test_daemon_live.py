@@ -1,0 +1,593 @@
+"""`stallwatch run` with real supervised jobs: the daemon as a subprocess, a real writer of
+`.pt`-style zip files (tests/jobs/pt_writer.py), real faults, real kills.
+
+Every wait is on an event — a state-database row, a daemon log line, a /proc state — with a
+deadline; never a bare sleep. Rules: the stall tests use a copy of the built-in rules with small
+thresholds (the defaults wait 20 s for a stall, by contract); the crash-loop and re-attach tests
+run on the default rules.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import re
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+import zipfile
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from stallwatch.actions.validate import validate_file
+
+ROOT = Path(__file__).resolve().parents[1]
+WRITER = ROOT / "tests" / "jobs" / "pt_writer.py"
+
+pytestmark = pytest.mark.slow
+
+
+# --------------------------------------------------------------------------------- harness
+
+def wait_for(probe: Callable[[], Any], timeout: float, what: str, every: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        v = probe()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(every)
+
+
+def fast_rules(dest: Path) -> Path:
+    """The built-in rules with small stall thresholds: 3 s without progress, 2 s in D, 1 s `for`."""
+    dest.mkdir()
+    for f in sorted((ROOT / "rules").glob("*.toml")):
+        text = f.read_text()
+        text = text.replace("proc.d_quiet_s >= 10", "proc.d_quiet_s >= 2")
+        text = text.replace("!activity.working",
+                            "!(activity.known && activity.age_s >= 0.0 && activity.age_s < 2.0)")
+        text = text.replace("stall_threshold_s", "3.0")
+        text = re.sub(r'^for = "2s"', 'for = "1s"', text, flags=re.M)
+        (dest / f.name).write_text(text)
+    return dest
+
+
+def scan_writers(marker: str) -> list[tuple[int, str]]:
+    """(pid, state) of every live pt_writer process whose command line names `marker`."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
+            stat = Path(f"/proc/{name}/stat").read_text()
+        except OSError:
+            continue
+        state = stat[stat.rfind(")") + 2]
+        if state in "ZX":
+            continue
+        # argv[1]: the writer itself, not its wrapper (which names it after `--`)
+        if len(argv) > 1 and argv[1].endswith(b"pt_writer.py") and marker.encode() in b" ".join(argv):
+            out.append((int(name), state))
+    return out
+
+
+class Harness:
+    def __init__(self, tmp_path: Path) -> None:
+        self.dir = tmp_path
+        self.state = tmp_path / "state"
+        self.out = tmp_path / "out"
+        self.log = tmp_path / "job.log"
+        self.cfg = tmp_path / "sw.toml"
+        self.daemons: list[subprocess.Popen] = []
+
+    # -- config and daemon
+
+    def write_config(self, job_args: list[str], *, rules: Path | None = None, job: str = "",
+                     daemon: str = "", alerts: str = "", interval: float = 0.25,
+                     outputs: Path | None = None) -> Path:
+        command = [sys.executable, str(WRITER), "--out", str(outputs or self.out), *job_args]
+        text = f"""
+[daemon]
+interval_s = {interval}
+state_dir = "{self.state}"
+{f'rules = ["{rules}"]' if rules else ""}
+{daemon}
+
+[[job]]
+name = "extract"
+command = {json.dumps(command)}
+cwd = "{self.dir}"
+log = "{self.log}"
+outputs = "{outputs or self.out}"
+restart = "on-failure"
+restart_backoff_s = 0.2
+kill_grace_s = 1
+{job}
+
+{alerts}
+"""
+        self.cfg.write_text(text)
+        self.cfg.chmod(0o644)
+        return self.cfg
+
+    def start(self, env: dict[str, str] | None = None) -> subprocess.Popen:
+        n = len(self.daemons)
+        err = open(self.dir / f"daemon-{n}.log", "wb")
+        p = subprocess.Popen([sys.executable, "-m", "stallwatch", "run", "--config", str(self.cfg)],
+                             stdout=err, stderr=subprocess.STDOUT, cwd=self.dir,
+                             env={**os.environ, **(env or {})})
+        err.close()
+        self.daemons.append(p)
+        return p
+
+    def wait_phase(self, phase: str, timeout: float, name: str = "extract") -> None:
+        """Wait for the job's phase; fail at once, with the daemon's log, if the daemon died."""
+        def probe() -> bool:
+            d = self.daemons[-1]
+            if d.poll() is not None:
+                raise AssertionError(f"the daemon exited ({d.returncode}):\n"
+                                     + self.daemon_log()[-3000:])
+            return self.phase(name) == phase
+        wait_for(probe, timeout, f"job {name} to be {phase}")
+
+    def daemon_log(self, n: int = -1) -> str:
+        n = n if n >= 0 else len(self.daemons) - 1
+        return (self.dir / f"daemon-{n}.log").read_text(errors="replace")
+
+    def wait_log(self, pattern: str, timeout: float, n: int = -1) -> re.Match:
+        return wait_for(lambda: re.search(pattern, self.daemon_log(n)), timeout,
+                        f"daemon log line /{pattern}/")
+
+    def stop(self, p: subprocess.Popen, sig: int = signal.SIGTERM) -> int:
+        p.send_signal(sig)
+        return p.wait(30)
+
+    # -- state database
+
+    def q(self, sql: str, args: tuple = ()) -> list[dict[str, Any]]:
+        if not (self.state / "stallwatch.db").exists():
+            return []
+        conn = sqlite3.connect(f"file:{self.state / 'stallwatch.db'}?mode=ro", uri=True, timeout=10)
+        try:
+            cur = conn.execute(sql, args)
+            return [{d[0]: v for d, v in zip(cur.description, r)} for r in cur.fetchall()]
+        except sqlite3.OperationalError:
+            return []  # the schema is being created
+        finally:
+            conn.close()
+
+    def job(self, name: str = "extract") -> dict[str, Any] | None:
+        rows = self.q("SELECT * FROM jobs WHERE name = ?", (name,))
+        return rows[0] if rows else None
+
+    def phase(self, name: str = "extract") -> str | None:
+        j = self.job(name)
+        return j["phase"] if j else None
+
+    def incidents(self) -> list[dict[str, Any]]:
+        return self.q("SELECT * FROM incidents ORDER BY id")
+
+    def actions(self, what: str | None = None) -> list[dict[str, Any]]:
+        if what:
+            return self.q("SELECT * FROM actions WHERE what = ? ORDER BY id", (what,))
+        return self.q("SELECT * FROM actions ORDER BY id")
+
+    def ticks(self) -> int:
+        rows = self.q("SELECT value FROM meta WHERE key = 'ticks'")
+        return int(rows[0]["value"]) if rows and rows[0]["value"] else 0
+
+    def status_json(self) -> dict[str, Any]:
+        r = subprocess.run([sys.executable, "-m", "stallwatch", "status", "--json", "--config",
+                            str(self.cfg), "--state-dir", str(self.state)],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode in (0, 1, 2, 3), r.stderr
+        return json.loads(r.stdout)
+
+    # -- outputs
+
+    def assert_outputs_complete(self, count: int) -> None:
+        names = sorted(p.name for p in self.out.iterdir())
+        assert names == sorted(f"data_{i}.pt" for i in range(count)), names
+        for i in range(count):
+            p = self.out / f"data_{i}.pt"
+            ok, why = validate_file(p)
+            assert ok, f"{p}: {why}"
+            with zipfile.ZipFile(p) as z:
+                assert z.testzip() is None
+
+    # -- cleanup: daemons, then every job process started under this test's directory
+
+    def cleanup(self) -> None:
+        for p in self.daemons:
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)
+        for sf in (self.state / "runs").glob("*.json") if (self.state / "runs").exists() else ():
+            try:
+                doc = json.loads(sf.read_text())
+            except (OSError, ValueError):
+                continue
+            for pid, ticks in ((doc.get("pid"), doc.get("start_ticks")),
+                               (doc.get("wrapper_pid"), doc.get("wrapper_start_ticks"))):
+                if pid and _ticks(pid) == ticks:
+                    try:
+                        os.killpg(pid, signal.SIGKILL) if pid == doc.get("pgid") else \
+                            os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+        for pid, _ in scan_writers(str(self.dir)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _ticks(pid: int) -> int | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(text[text.rfind(")") + 2:].split()[19])
+
+
+@pytest.fixture
+def h(tmp_path: Path):
+    harness = Harness(tmp_path)
+    try:
+        yield harness
+    finally:
+        harness.cleanup()
+
+
+class Hook(http.server.BaseHTTPRequestHandler):
+    """A webhook receiver: every POSTed JSON object lands in `events`."""
+
+    events: list[dict[str, Any]] = []
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        type(self).events.append(json.loads(body))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def webhook():
+    class H(Hook):
+        events: list[dict[str, Any]] = []
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}/hook", H.events
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+# ----------------------------------------------------------------------------------- tests
+
+def test_deadlock_mid_write_killed_quarantined_resumed(h: Harness, tmp_path: Path) -> None:
+    h.write_config(["--count", "12", "--interval", "0.1", "--deadlock-at", "5",
+                    "--once", str(tmp_path / "fault-fired")],
+                   rules=fast_rules(tmp_path / "rules"), job="max_restarts = 2\nstartup_grace_s = 2")
+    t0 = time.monotonic()
+    daemon = h.start()
+    # The writer deadlocks half-way through data_5.pt: detected as a hang, killed, the truncated
+    # file quarantined, the job restarted, and it finishes.
+    h.wait_phase("finished", 60)
+    took = time.monotonic() - t0
+    assert h.job()["restarts"] == 1
+    inc, = h.incidents()
+    assert inc["kind"] == "hang" and inc["state"] == "resolved" and inc["evidence_bundle"]
+    whats = [a["what"] for a in h.actions() if a["incident_id"] == inc["id"]]
+    assert whats[:1] == ["detect"] and {"evidence", "kill", "validate", "restart", "resolve"} <= set(whats)
+    assert whats.index("kill") < whats.index("validate") < whats.index("restart")
+    kill, = h.actions("kill")
+    assert kill["outcome"].startswith("done")
+    # every output present exactly once, each a whole archive; the half-written one is aside
+    h.assert_outputs_complete(12)
+    q = h.out.parent / "out.quarantine"
+    assert sorted(p.name for p in q.iterdir()) == ["MANIFEST.jsonl", "data_5.pt"]
+    assert not validate_file(q / "data_5.pt").ok
+    assert "data_5.pt" in h.actions("validate")[0]["outcome"]
+    assert Path(inc["evidence_bundle"], "verdict.json").exists()
+    # status --json: DESIGN.md's contract
+    doc = h.status_json()
+    j, = doc["jobs"]
+    assert {"name", "verdict", "restarts", "pid", "incidents"} <= set(j)
+    assert j["name"] == "extract" and j["restarts"] == 1 and j["verdict"]["kind"] == "finished"
+    i, = j["incidents"]
+    assert {"kind", "started_at", "resolved_at", "actions"} <= set(i) and i["kind"] == "hang"
+    assert i["resolved_at"] >= i["started_at"] > 0
+    assert [a["what"] for a in i["actions"]] == whats
+    assert doc["daemon"]["running"] is True
+    assert h.stop(daemon) == 0
+    print(f"deadlock → finished in {took:.1f} s")
+
+
+def test_crash_loop_restarted_max_times_then_stopped_with_alert(h: Harness, webhook) -> None:
+    url, events = webhook
+    # Default rules: a crash is judged at once (no `for`).
+    h.write_config(["--crash-always", "--interval", "0.05"],
+                   job="max_restarts = 2",
+                   alerts=f'[[alert]]\ntype = "webhook"\nurl = "{url}"\nretry_initial_s = 0.2\n')
+    daemon = h.start()
+    wait_for(lambda: h.phase() == "stopped", 60, "the job to be given up")
+    j = h.job()
+    assert j["restarts"] == 2
+    runs = h.q("SELECT * FROM runs ORDER BY id")
+    assert len(runs) == 3 and all(r["returncode"] == 1 for r in runs)
+    incs = h.incidents()
+    assert [i["kind"] for i in incs] == ["crash"] * 3
+    assert [i["state"] for i in incs] == ["resolved", "resolved", "open"]
+    assert "restart budget used up (2 of max_restarts = 2)" in incs[-1]["note"] or \
+        "gave up" in incs[-1]["note"]
+    give_up, = h.actions("give_up")
+    assert "restart budget used up" in give_up["outcome"] and "left stopped" in give_up["outcome"]
+    # the alerts: each crash fired; the two that were restarted resolved; the last one says so
+    wait_for(lambda: len(events) >= 5, 20, "five webhook deliveries")
+    assert [(e["kind"], e["state"]) for e in events] == [
+        ("crash", "firing"), ("crash", "resolved"), ("crash", "firing"), ("crash", "resolved"),
+        ("crash", "firing")]
+    assert "restart budget used up" in events[-1]["summary"]
+    assert all(e["job"] == "extract" and "evidence" in e for e in events)
+    # left stopped: no new run appears while the daemon keeps ticking
+    ticks = h.ticks()
+    wait_for(lambda: h.ticks() >= ticks + 8, 20, "eight more ticks")
+    assert len(h.q("SELECT * FROM runs")) == 3 and scan_writers(str(h.dir)) == []
+    assert h.status_json()["jobs"][0]["phase"] == "stopped"
+    assert h.stop(daemon) == 0
+
+
+def test_daemon_sigkilled_mid_run_new_daemon_reattaches(h: Harness, tmp_path: Path) -> None:
+    # Default rules. Run 1 crashes half-way through data_3.pt (once), so a restart is counted
+    # and a broken file quarantined before the daemon dies.
+    h.write_config(["--count", "70", "--interval", "0.1", "--crash-at", "3",
+                    "--once", str(tmp_path / "fault-fired")], job="max_restarts = 3")
+    first = h.start()
+    wait_for(lambda: (j := h.job()) and j["phase"] == "running" and j["restarts"] == 1, 60,
+             "the restarted run")
+    run2 = h.q("SELECT * FROM runs ORDER BY id")[-1]
+    pid, ticks = run2["pid"], run2["start_ticks"]
+    wait_for(lambda: "10/70" in h.log.read_text(), 30, "some progress of run 2")
+    first.kill()  # SIGKILL: no chance to tidy up
+    first.wait(30)
+    assert _ticks(pid) == ticks, "the job outlives its daemon"
+    writers = scan_writers(str(h.out))
+    assert writers == [(pid, writers[0][1])]
+
+    second = h.start()
+    h.wait_log(rf"re-attached to pid {pid} ", 30)
+    assert h.job()["restarts"] == 1, "the counter survived"
+    assert [w[0] for w in scan_writers(str(h.out))] == [pid], "one copy of the job"
+    wait_for(lambda: h.phase() == "finished", 60, "the job to finish under the new daemon")
+    assert h.job()["restarts"] == 1
+    assert len(h.q("SELECT * FROM runs")) == 2, "no second copy was started"
+    assert h.q("SELECT returncode FROM runs ORDER BY id")[-1]["returncode"] == 0
+    h.assert_outputs_complete(70)
+    q = h.out.parent / "out.quarantine"
+    assert "data_3.pt" in {p.name for p in q.iterdir()}
+    assert h.stop(second) == 0
+
+
+SIGNAL_RECORDER = """
+import signal, sys, time
+out = sys.argv[1]
+def on(sig, _f):
+    with open(out, "a") as f:
+        f.write(f"{signal.Signals(sig).name}\\n")
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGCONT):
+    signal.signal(s, on)
+print("ready", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def test_reused_pid_is_never_adopted_or_killed(h: Harness, tmp_path: Path) -> None:
+    h.write_config(["--count", "1000", "--interval", "0.2"], job="max_restarts = 3")
+    first = h.start()
+    wait_for(lambda: h.phase() == "running", 30, "the job to run")
+    first.kill()
+    first.wait(30)
+    run = h.q("SELECT * FROM runs ORDER BY id")[-1]
+    # The machine "reboots": the job and its wrapper vanish without a word ...
+    os.kill(run["wrapper_pid"], signal.SIGKILL)
+    os.killpg(run["pgid"], signal.SIGKILL)
+    wait_for(lambda: _ticks(run["pid"]) is None or _ticks(run["pid"]) != run["start_ticks"], 10,
+             "the job to be gone")
+    # ... and an unrelated process now holds the job's pid (same pid, another start time).
+    record = tmp_path / "signals.txt"
+    stranger = subprocess.Popen([sys.executable, "-c", SIGNAL_RECORDER, str(record)],
+                                stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert stranger.stdout.readline() == b"ready\n"
+        st = _ticks(stranger.pid)
+        conn = sqlite3.connect(h.state / "stallwatch.db")
+        conn.execute("UPDATE runs SET pid = ?, pgid = ?, start_ticks = ? WHERE id = ?",
+                     (stranger.pid, stranger.pid, st - 1, run["id"]))
+        conn.execute("UPDATE jobs SET pid = ?, start_ticks = ?", (stranger.pid, st - 1))
+        conn.commit()
+        conn.close()
+        sf = Path(run["status_file"])
+        doc = json.loads(sf.read_text())
+        doc.update(pid=stranger.pid, pgid=stranger.pid, start_ticks=st - 1)
+        sf.write_text(json.dumps(doc))
+
+        second = h.start()
+        h.wait_log(rf"pid {stranger.pid} now belongs to another process", 30)
+        # The old run is lost (no exit status): a crash incident, and a restart of the job ...
+        wait_for(lambda: len(h.q("SELECT * FROM runs")) == 2 and h.phase() == "running", 30,
+                 "the job to be started again")
+        inc = h.incidents()[-1]
+        assert inc["kind"] == "crash" and "lost" in inc["verdict_json"]
+        # ... while the stranger was never signalled, never adopted.
+        assert stranger.poll() is None and _ticks(stranger.pid) == st
+        assert not record.exists(), record.read_text()
+        new = h.q("SELECT * FROM runs ORDER BY id")[-1]
+        assert new["pid"] != stranger.pid and h.job()["pid"] == new["pid"]
+        assert h.stop(second) == 0
+        assert stranger.poll() is None and not record.exists()
+    finally:
+        stranger.kill()
+        stranger.wait(10)
+
+
+def test_bad_reload_keeps_old_config_and_sd_notify(h: Harness, tmp_path: Path) -> None:
+    sock_path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(sock_path))
+    sock.settimeout(30)
+    msgs: list[dict[str, str]] = []
+
+    def expect(key: str) -> dict[str, str]:
+        while True:
+            m = dict(line.split("=", 1) for line in sock.recv(4096).decode().split("\n"))
+            msgs.append(m)
+            if key in m:
+                return m
+
+    try:
+        h.write_config(["--count", "100000", "--interval", "0.2"])
+        daemon = h.start(env={"NOTIFY_SOCKET": str(sock_path)})
+        ready = expect("READY")
+        assert "extract" in ready["STATUS"]
+        expect("WATCHDOG")
+        good = h.cfg.read_text()
+
+        h.cfg.write_text(good.replace('restart = "on-failure"', 'restart = "sometimes"'))
+        daemon.send_signal(signal.SIGHUP)
+        expect("RELOADING")
+        expect("READY")
+        m = h.wait_log(r"reload failed, keeping the last good configuration: (.*)", 20)
+        assert f"{h.cfg}:" in m.group(1) and "job[0].restart" in m.group(1)
+        ticks = h.ticks()
+        wait_for(lambda: h.ticks() > ticks + 2, 10, "ticks after the bad reload")
+        assert daemon.poll() is None and h.phase() == "running"
+        assert json.loads(h.job()["config_json"])["restart"] == "on-failure"
+        assert h.status_json()["daemon"]["last_reload_error"]
+
+        # A good reload: a second job appears (attached by pid file: never restarted).
+        sleeper = subprocess.Popen(["sleep", "300"], start_new_session=True)
+        try:
+            (tmp_path / "sleeper.pid").write_text(f"{sleeper.pid}\n")
+            h.cfg.write_text(good + f'\n[[job]]\nname = "sleeper"\npid_file = "{tmp_path / "sleeper.pid"}"\n')
+            daemon.send_signal(signal.SIGHUP)
+            h.wait_log(r"reloaded .*: 2 job\(s\)", 20)
+            wait_for(lambda: (j := h.job("sleeper")) and j["pid"] == sleeper.pid, 20,
+                     "the new job attached")
+            st = h.status_json()
+            assert [j["name"] for j in st["jobs"]] == ["extract", "sleeper"]
+            assert st["daemon"]["last_reload_error"] is None
+            assert "never restarts" in st["jobs"][1]["note"]
+        finally:
+            sleeper.kill()
+            sleeper.wait(10)
+
+        # SIGTERM: the daemon stops (STOPPING=1), the job keeps running.
+        pid = h.job()["pid"]
+        assert h.stop(daemon) == 0
+        expect("STOPPING")
+        assert _ticks(pid) is not None and scan_writers(str(h.out)) != []
+        assert "jobs left running" in h.daemon_log()
+    finally:
+        sock.close()
+
+
+@pytest.mark.root
+def test_writer_frozen_in_d_io_stall_no_second_writer_then_resumed(h: Harness,
+                                                                    tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (loop device, mount, fsfreeze)")
+    from rigs import RigUnavailable, loop_ext4
+
+    try:
+        rig = loop_ext4(16)
+        fs = rig.__enter__()
+    except RigUnavailable as e:
+        pytest.skip(f"no loop-mounted ext4 here: {e}")
+    safety = threading.Timer(90, fs.thaw)  # a wedged test must not leave the fs frozen
+    safety.daemon = True
+    safety.start()
+    try:
+        out = fs.mnt / "out"
+        h.out = out
+        h.write_config(["--count", "30", "--interval", "0.15", "--size", "65536", "--chunks", "8"],
+                       rules=fast_rules(tmp_path / "rules"), outputs=out,
+                       job="max_restarts = 2\nstartup_grace_s = 2")
+        daemon = h.start()
+        wait_for(lambda: h.log.exists() and "4/30" in h.log.read_text(), 30, "progress")
+        (writer, _), = scan_writers(str(out))
+        fs.freeze()
+        frozen_at = time.monotonic()
+        from rigs import wait_for_state
+        wait_for_state(writer, "D", 10)
+        # io_stall within the bound: 3 s without progress and 2 s in D, `for` 1 s, a tick.
+        inc = wait_for(lambda: [i for i in h.incidents() if i["kind"] == "io_stall"], 30,
+                       "an io_stall incident")[0]
+        detected = time.monotonic() - frozen_at
+        assert detected < 12, f"io_stall took {detected:.1f} s"
+        assert h.q("SELECT COUNT(*) AS n FROM incidents")[0]["n"] == 1
+        # SIGKILL cannot take a task out of D: the kill says so, and the resume waits.
+        note = wait_for(lambda: (i := h.incidents()[0]) and i["note"].startswith("unkillable")
+                        and i["note"], 30, "the unkillable note")
+        assert f"pid {writer} in D" in note and "resume waits" in note
+        ticks = h.ticks()
+        while h.ticks() < ticks + 12:  # three seconds of ticks: never a second writer
+            assert [w[0] for w in scan_writers(str(out))] == [writer]
+            assert len(h.q("SELECT * FROM runs")) == 1
+            time.sleep(0.05)
+        assert h.phase() == "recovering" and h.job()["restarts"] == 0
+        fs.thaw()
+        wait_for(lambda: h.phase() == "finished", 60, "the job to finish after the thaw")
+        assert h.job()["restarts"] == 1
+        h.assert_outputs_complete(30)
+        qdir = out.parent / "out.quarantine"
+        moved = [p for p in qdir.iterdir() if p.suffix == ".pt"] if qdir.exists() else []
+        for p in moved:
+            assert not validate_file(p).ok, f"{p} was quarantined but is whole"
+        kill = h.actions("kill")
+        assert any(a["outcome"].startswith("unkillable") for a in kill)
+        assert h.stop(daemon) == 0
+    finally:
+        safety.cancel()
+        fs.thaw()
+        h.cleanup()
+        rig.__exit__(None, None, None)
+
+
+def test_daemon_killed_during_backoff_resumes_the_recovery_counting_once(h: Harness,
+                                                                          tmp_path: Path) -> None:
+    once = str(tmp_path / "fault-fired")
+    h.write_config(["--count", "6", "--interval", "0.05", "--crash-at", "0", "--once", once],
+                   job="max_restarts = 3")
+    h.cfg.write_text(h.cfg.read_text().replace("restart_backoff_s = 0.2", "restart_backoff_s = 60"))
+    first = h.start()
+    wait_for(lambda: (j := h.job()) and "backoff" in j["phase_detail"], 30, "the backoff")
+    first.kill()
+    first.wait(30)
+    assert h.job()["restarts"] == 0 and h.phase() == "recovering"
+    h.cfg.write_text(h.cfg.read_text().replace("restart_backoff_s = 60", "restart_backoff_s = 0.2"))
+    second = h.start()
+    h.wait_log(r"resuming the recovery from crash", 30)
+    wait_for(lambda: h.phase() == "finished", 60, "the job to finish")
+    assert h.job()["restarts"] == 1
+    assert len(h.q("SELECT * FROM runs")) == 2
+    h.assert_outputs_complete(6)
+    assert (h.out.parent / "out.quarantine" / "data_0.pt").exists()
+    assert h.stop(second) == 0
