@@ -80,7 +80,7 @@ def features(snap: Snapshot) -> dict[str, Any]:
         "log": _log(snap),
         "outputs": _outputs(snap),
         "gpu": _gpu(snap, {p.pid for p in procs}),
-        "server": _server(snap),
+        "server": {**_server(snap), **_ranks(snap)},
         "client": _client(procs, threads, server_port),
         "disk": _disk(snap),
         "kernel": _kernel(snap, procs),
@@ -357,6 +357,49 @@ def _server(snap: Snapshot) -> dict[str, Any]:
     }
 
 
+def _ranks(snap: Snapshot) -> dict[str, Any]:
+    """The server's worker processes (one per tensor-parallel rank) and what each is doing.
+
+    Tells "all ranks idle" from "one rank stuck while the others spin or wait on it in a
+    collective" (NCCL busy-waits: the healthy ranks show R at ~100% CPU, the stuck one does not).
+    """
+    sp = snap.server_processes
+    gpu_of: dict[int, list[tuple[int, int]]] = {}
+    for d in (snap.gpu.devices if snap.gpu else ()):
+        for pr in d.processes or ():
+            gpu_of.setdefault(pr.pid, []).append((d.index, pr.used_bytes or 0))
+    util = {d.index: d.util_gpu_pct for d in (snap.gpu.devices if snap.gpu else ())
+            if isinstance(d.util_gpu_pct, (int, float))}
+    ranks = []
+    for p in (sp.processes if sp else ()):
+        if not p.cmdline.startswith("sglang::scheduler"):
+            continue
+        tail = p.cmdline.rsplit("_TP", 1)
+        rank = int(tail[1]) if len(tail) == 2 and tail[1].isdigit() else 0
+        gpus = gpu_of.get(p.pid, [])
+        quiet = _quiet(p.ctx_unchanged_for_s, p.last_ran_age_s)
+        stuck = p.state in ("T", "t", "D", "Z") or quiet >= 10
+        ranks.append({"rank": rank, "pid": p.pid, "state": p.state, "cpu_util": p.cpu_util or 0.0,
+                      "cpu_pct": round((p.cpu_util or 0.0) * 100.0), "quiet_s": quiet,
+                      "quiet_h": human_s(quiet), "wchan": p.wchan or "", "stuck": stuck,
+                      "gpu": gpus[0][0] if gpus else -1,
+                      "gpu_util_pct": util.get(gpus[0][0], -1.0) if gpus else -1.0,
+                      "mem_h": human_bytes(sum(b for _, b in gpus))})
+    gone = [e for e in (sp.exited if sp else ()) if (e.cmdline or "").startswith("sglang::scheduler")]
+    ranks.sort(key=lambda r: r["rank"])
+    stuck = [r for r in ranks if r["stuck"]]
+    busy = [r for r in ranks if not r["stuck"] and (r["state"] == "R" or r["cpu_util"] > 0.5)]
+    return {
+        "ranks": ranks,
+        "ranks_gone": [{"pid": e.pid, "cmdline": e.cmdline or ""} for e in gone],
+        # One rank stopped, in D or dead while others spin: the others wait on it in a collective.
+        "rank_stuck": bool((stuck or gone) and busy),
+        "ranks_all_idle": bool(ranks) and not busy and not stuck and not gone,
+        "ranks_text": ", ".join(f"TP{r['rank']} {r['state']}" + (" (stuck)" if r["stuck"] else "")
+                                for r in ranks) + "".join(f", {e.cmdline or e.pid} gone" for e in gone),
+    }
+
+
 def _client(procs: list[ProcessObs], threads: list[tuple[ProcessObs, ThreadObs]],
             port: int | None) -> dict[str, Any]:
     """Is the job waiting on the server? A thread blocked reading a socket to its port is proof;
@@ -515,3 +558,11 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} PiB"
+
+
+def human_s(s: float) -> str:
+    if s < 60:
+        return f"{s:.1f} s"
+    if s < 3600:
+        return f"{int(s // 60)} min {int(s % 60)} s"
+    return f"{int(s // 3600)} h {int(s % 3600 // 60)} min"

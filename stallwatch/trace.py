@@ -6,6 +6,7 @@ flushed, and the reader ignores a torn last line instead of refusing the whole t
 
 from __future__ import annotations
 
+import gzip
 import json
 import platform
 import socket
@@ -23,7 +24,9 @@ class TraceWriter:
     def __init__(self, path: Path, meta: dict | None = None) -> None:
         self.path = Path(path)
         try:
-            self._f: IO[str] = open(self.path, "w", encoding="utf-8")
+            # A .gz trace is compressed as it is written (JSON compresses about 10×).
+            self._f: IO[str] = (gzip.open(self.path, "wt", encoding="utf-8") if self.path.suffix == ".gz"
+                                else open(self.path, "w", encoding="utf-8"))
         except OSError as e:
             raise UsageError(f"{path}: cannot write trace: {e.strerror}") from e
         header = {
@@ -62,14 +65,13 @@ def read_trace(path: Path) -> tuple[dict, list[dict], list[dict]]:
     """Return (header, snapshot dicts, event dicts). Raises UsageError on an unreadable trace."""
     p = Path(path)
     try:
-        f = open(p, encoding="utf-8")
+        text = _read_text(p)
     except OSError as e:
         raise UsageError(f"{p}: cannot read trace: {e.strerror or e}") from e
     header: dict | None = None
     snaps: list[dict] = []
     events: list[dict] = []
-    with f:
-        lines = f.read().split("\n")
+    lines = text.split("\n")
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -92,3 +94,15 @@ def read_trace(path: Path) -> tuple[dict, list[dict], list[dict]]:
         raise UsageError(f"{p}:1:1: trace format {header['format']} is newer than this stallwatch reads ({FORMAT_VERSION})")
     return header, snaps, events
 
+
+def _read_text(p: Path) -> str:
+    if p.suffix != ".gz":
+        return p.read_text(encoding="utf-8")
+    chunks: list[bytes] = []
+    with gzip.open(p, "rb") as g:
+        try:
+            while chunk := g.read(1 << 20):
+                chunks.append(chunk)
+        except EOFError:
+            pass  # a recorder killed mid-write: keep what was flushed, the torn line is dropped
+    return b"".join(chunks).decode("utf-8", "replace")
