@@ -374,13 +374,16 @@ def test_known_slow_job_is_not_stalled_before_its_first_interval(tmp_path) -> No
     assert next((x for x in ticks if x.kind in STALL_KINDS), None) is None
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known, in stallwatch/probes/logs.py: LogProbe._on_changes records one cadence sample per "
-    "tick as (gap since the last change) / (changes read in the tick), while idle_s is the gap "
-    "itself; a job that logs its batch of 6 items at once every 5 minutes learns a 50 s "
-    "cadence, a 250 s threshold, and is called hang every cycle"))
-def test_known_job_logging_each_batch_as_a_burst_is_not_stalled(tmp_path) -> None:
+def test_a_job_logging_each_batch_as_a_burst_is_not_stalled_once_its_cadence_is_seen(tmp_path) -> None:
+    """A job that logs its batch of 6 items at once every 5 minutes is silent for 5 minutes.
+
+    The probe once learned (gap / items in the tick) = 50 s, a 250 s threshold, and called it
+    hang every cycle. Before its first full interval the 120 s default applies (a documented
+    limit, tested below), so the claim starts after the second burst.
+    """
     job = Job(cadence=300.0, fmt="fraction",
               appends=[5.3 + 300.0 * c + 0.05 * j for c in range(8) for j in range(6)])
     ticks = simulate(job, tmp_path, end=job.appends[-1] + 1)
-    assert next((x for x in ticks if x.kind in STALL_KINDS), None) is None
+    learned = job.appends[6] + 1
+    assert any(x.t > learned for x in ticks)
+    assert next((x for x in ticks if x.t > learned and x.kind in STALL_KINDS), None) is None

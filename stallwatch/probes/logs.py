@@ -351,9 +351,11 @@ class LogProbe:
             self._learn_history(r, now)
         else:
             if self._last_change is not None:
-                # One sample a tick: the mean interval of the changes read in it, so a fast job
-                # read once a second does not fill the ring with zeros.
-                self._add_interval((now - self._last_change) / n)
+                # One sample a tick: the gap since the previous tick with progress, undivided.
+                # The cadence decides how long a silence is normal, and a job that logs a batch
+                # of six items every 5 minutes is silent for 5 minutes, not 50 s. (A fast job
+                # then learns about one tick, which sits under the threshold's floor anyway.)
+                self._add_interval(now - self._last_change)
             self._last_change, self._idle_source = now, "observed"
         if self._samples and done < self._samples[-1][1]:
             self._samples.clear()  # a new bar, or a restart from scratch: old rate is void
