@@ -591,3 +591,30 @@ def test_daemon_killed_during_backoff_resumes_the_recovery_counting_once(h: Harn
     h.assert_outputs_complete(6)
     assert (h.out.parent / "out.quarantine" / "data_0.pt").exists()
     assert h.stop(second) == 0
+
+
+def test_a_hanging_job_gives_one_firing_and_one_resolved_alert(h: Harness, webhook, tmp_path: Path) -> None:
+    """Issue 5's contract on a real daemon: one alert when the incident fires, one when it
+    resolves (here: killed and resumed), however many ticks it lasts in between."""
+    url, events = webhook
+    h.write_config(["--count", "200", "--interval", "0.05"],
+                   rules=fast_rules(tmp_path / "rules"), job="startup_grace_s = 1",
+                   alerts=f'[[alert]]\ntype = "webhook"\nurl = "{url}"\nretry_initial_s = 0.2\n')
+    daemon = h.start()
+    wait_for(lambda: h.log.exists() and "20/200" in h.log.read_text(), 60, "some progress")
+    (pid, _), = wait_for(lambda: scan_writers(str(h.out)), 10, "the writer")
+    os.kill(pid, signal.SIGSTOP)  # a hang: alive, no progress, not in the kernel
+    wait_for(lambda: any(e["state"] == "firing" for e in events), 60, "the firing alert")
+    wait_for(lambda: any(e["state"] == "resolved" for e in events), 60, "the resolved alert")
+    h.wait_phase("finished", 120)
+    ticks = h.ticks()
+    wait_for(lambda: h.ticks() >= ticks + 4, 20, "a few more ticks after the job finished")
+    hang = [(e["kind"], e["state"]) for e in events if e["kind"] == "hang"]
+    assert hang == [("hang", "firing"), ("hang", "resolved")], events
+    fired, resolved = [e for e in events if e["kind"] == "hang"]
+    assert fired["job"] == "extract" and fired["evidence"] and "stopped" in fired["summary"]
+    assert resolved["incident_id"] == fired["incident_id"]
+    inc, = [i for i in h.incidents() if i["kind"] == "hang"]
+    assert inc["state"] == "resolved" and h.job()["restarts"] == 1
+    h.assert_outputs_complete(200)
+    assert h.stop(daemon) == 0
