@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +40,7 @@ class Roots:
 
     def read_bytes(self, path: Path, limit: int = 1 << 20) -> bytes:
         """Read at most `limit` bytes; map errno to Absent/Denied so callers can report state."""
-        try:
+        with _mapped_errors(path):
             with open(path, "rb", buffering=0) as f:
                 # One read(2) of a multi-record seq file (/proc/net/tcp, mountinfo, diskstats)
                 # returns about one page, not the whole file: read until EOF or the limit.
@@ -51,42 +52,30 @@ class Roots:
                     chunks.append(chunk)
                     size += len(chunk)
                 return b"".join(chunks)
-        except FileNotFoundError as e:
-            raise Absent(str(path)) from e
-        except PermissionError as e:
-            raise Denied(str(path)) from e
-        except OSError as e:
-            # ESRCH: the task died between open and read; EACCES/EPERM through ptrace checks.
-            if e.errno in (errno.ESRCH, errno.ENOENT):
-                raise Absent(str(path)) from e
-            if e.errno in (errno.EACCES, errno.EPERM):
-                raise Denied(str(path)) from e
-            raise
 
     def read_text(self, path: Path, limit: int = 1 << 20) -> str:
         return self.read_bytes(path, limit).decode("utf-8", "replace")
 
     def readlink(self, path: Path) -> str:
-        try:
+        with _mapped_errors(path):
             return os.readlink(path)
-        except FileNotFoundError as e:
-            raise Absent(str(path)) from e
-        except PermissionError as e:
-            raise Denied(str(path)) from e
-        except OSError as e:
-            if e.errno in (errno.ESRCH, errno.ENOENT):
-                raise Absent(str(path)) from e
-            if e.errno in (errno.EACCES, errno.EPERM):
-                raise Denied(str(path)) from e
-            raise
 
     def listdir(self, path: Path) -> list[str]:
-        try:
+        with _mapped_errors(path):
             return os.listdir(path)
-        except FileNotFoundError as e:
+
+
+@contextmanager
+def _mapped_errors(path: Path):
+    """The task died (ENOENT, ESRCH) → Absent; ptrace or mode checks (EACCES, EPERM) → Denied."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno in (errno.ESRCH, errno.ENOENT):
             raise Absent(str(path)) from e
-        except PermissionError as e:
+        if e.errno in (errno.EACCES, errno.EPERM):
             raise Denied(str(path)) from e
+        raise
 
 
 DEFAULT_ROOTS = Roots()

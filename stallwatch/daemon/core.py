@@ -101,6 +101,8 @@ class Daemon:
         self.tick_errors = 0
         self.started = threading.Event()  # set after the first tick (tests wait on it)
         self._metrics: Any = None
+        self._job_errors: dict[str, tuple[str, float, int]] = {}  # job -> (error, logged at, n)
+        self._write_back_at = 0.0
 
     # ------------------------------------------------------------------------------- control
 
@@ -161,8 +163,11 @@ class Daemon:
             os.close(fd)
             raise UsageError(f"another stallwatch daemon (pid {other}) already uses state_dir "
                              f"{self.state_dir}") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except OSError as e:  # a full disk: the lock holds all the same, only its note is lost
+            log.warning("cannot write the pid into %s: %s", path, e.strerror or e)
         self._lock_fd = fd
 
     def rules_for(self, job: JobConfig, config: Config | None = None):
@@ -175,7 +180,10 @@ class Daemon:
         return self._rules_cache[key], key
 
     def open(self) -> None:
-        db = StateDB.open(self.state_dir, clock=self.clock)
+        # A short busy timeout: only another process holding the write lock makes it wait (the
+        # daemon lock keeps other daemons out, readers never block in WAL), and a tick must not
+        # wait on it; the state goes to memory instead (StateDB.degraded).
+        db = StateDB.open(self.state_dir, clock=self.clock, busy_timeout_s=2.0)
         try:
             self._lock()
         except BaseException:
@@ -244,9 +252,16 @@ class Daemon:
         for runner in list(self.jobs.values()):
             try:
                 runner.tick()
-            except Exception:  # noqa: BLE001 - one job's bug must not stop the others' watch
+            except Exception as e:  # noqa: BLE001 - one job's bug must not stop the others' watch
                 self.tick_errors += 1
-                log.exception("job %s: tick failed", runner.name)
+                self._tick_failed(runner.name, e)
+            else:
+                self._job_errors.pop(runner.name, None)
+        if self.db is not None and self.db.degraded:
+            now = self.clock.monotonic()
+            if now - self._write_back_at >= 10.0:
+                self._write_back_at = now
+                self.db.write_back()
         dur = self.clock.monotonic() - t0
         self.ticks += 1
         try:
@@ -257,8 +272,8 @@ class Daemon:
                 if self.dispatcher is not None and hasattr(self.dispatcher, "status"):
                     self.db.set_meta("alerts", json.dumps(_jsonable(self.dispatcher.status()),
                                                           default=str))
-        except Exception:  # noqa: BLE001
-            log.exception("cannot write the tick's meta rows")
+        except Exception as e:  # noqa: BLE001
+            self._tick_failed("(the tick's meta rows)", e)
         status = self.summary()
         healthy = dur <= self.config.daemon.tick_deadline_s
         if not healthy:
@@ -274,6 +289,21 @@ class Daemon:
             self.notifier.status(status)
         self._update_metrics(dur)
 
+    def _tick_failed(self, name: str, e: Exception) -> None:
+        """The traceback once; the same error again only as a line a minute, with a count."""
+        what = f"{type(e).__name__}: {e}"
+        prev = self._job_errors.get(name)
+        now = self.clock.monotonic()
+        if prev is None or prev[0] != what:
+            self._job_errors[name] = (what, now, 1)
+            log.exception("job %s: tick failed", name)
+        elif now - prev[1] >= 60.0:
+            self._job_errors[name] = (what, now, 1)
+            log.error("job %s: tick failed again (%d times since the last report): %s", name,
+                      prev[2] + 1, what)
+        else:
+            self._job_errors[name] = (prev[0], prev[1], prev[2] + 1)
+
     def summary(self) -> str:
         parts = []
         for r in self.jobs.values():
@@ -285,7 +315,10 @@ class Daemon:
                 extra = f" {lv['done']:g}{total}"
             phase = r.phase if r.phase not in ("running", "attached") else ""
             parts.append(f"{r.name}: {v}{extra}" + (f" ({phase})" if phase else ""))
-        return "; ".join(parts) or "no jobs"
+        out = "; ".join(parts) or "no jobs"
+        if self.db is not None and self.db.degraded:
+            out = f"STATE IN MEMORY ({self.db.degraded}); {out}"
+        return out
 
     # ------------------------------------------------------------------------------- alerts
 

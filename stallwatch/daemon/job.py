@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stallwatch.config import JobConfig
 from stallwatch.daemon.recovery import Recovery, candidates_from, run_in_thread
-from stallwatch.daemon.supervise import (SpawnError, Spawned, find_wrapper, identity_alive,
+from stallwatch.daemon.supervise import (SpawnError, find_wrapper, identity_alive,
                                          identity_exists, proc_state, read_status, spawn,
                                          use_systemd_run)
 from stallwatch.engine import Evaluator, RuleSet

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stallwatch.daemon.wrap import start_ticks
+from stallwatch.daemon.wrap import proc_state, start_ticks
 
 __all__ = ["Spawned", "SpawnError", "spawn", "read_status", "identity_alive", "find_wrapper",
            "use_systemd_run", "wrapper_argv", "systemd_run_argv", "proc_state"]
@@ -130,20 +130,6 @@ def read_status(path: str | os.PathLike[str] | None) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return doc if isinstance(doc, dict) else None
-
-
-def proc_state(pid: int) -> tuple[str, int] | None:
-    """(state letter, start_ticks) of a pid, None when there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read().decode("utf-8", "replace")
-    except OSError:
-        return None
-    rest = text[text.rfind(")") + 2:].split()
-    try:
-        return rest[0], int(rest[19])
-    except (IndexError, ValueError):
-        return None
 
 
 def identity_alive(pid: int | None, ticks: int | None) -> bool:

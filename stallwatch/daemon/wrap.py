@@ -42,23 +42,27 @@ import subprocess
 import sys
 import time
 
+from stallwatch import procfs
+from stallwatch.roots import DEFAULT_ROOTS, Absent, Denied
+
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2, signal.SIGCONT)
 VERSION = 1
 
 
+def proc_state(pid: int) -> tuple[str, int] | None:
+    """(state letter, start_ticks) of a pid, None when there is no such process."""
+    try:
+        st = procfs.parse_stat(DEFAULT_ROOTS.read_text(DEFAULT_ROOTS.pid_dir(pid) / "stat"))
+    except (Absent, Denied, ValueError):
+        return None
+    return st.state, st.start_ticks
+
+
 def start_ticks(pid: int) -> int | None:
-    """Field 22 of /proc/PID/stat: the process's start time in clock ticks since boot."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read().decode("utf-8", "replace")
-    except OSError:
-        return None
-    rest = text[text.rfind(")") + 2:].split()
-    try:
-        return int(rest[19])
-    except (IndexError, ValueError):
-        return None
+    """The process's start time in clock ticks since boot (its identity against pid reuse)."""
+    st = proc_state(pid)
+    return st[1] if st else None
 
 
 def write_status(path: str, doc: dict) -> None:
