@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from stallwatch.daemon.supervise import (find_wrapper, identity_alive, read_status, spawn,
                                          systemd_run_argv, use_systemd_run)
