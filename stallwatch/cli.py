@@ -133,7 +133,7 @@ def diagnose(
     target = make_target(pid, match, log, progress_regex, outputs, server)
     if not (target.pids or target.match):
         target = discover(target)
-    if server:
+    if target.server:  # given, or discovered
         window = max(window, 6.0)  # /server_info's timeout is itself the evidence of a stuck scheduler
     c = Collector(target, kernel_history=True)
     try:
@@ -341,6 +341,25 @@ def status(
 
         render_status(doc, Console())
     return exit_code(doc)
+
+
+@app.command()
+def demo(
+    fault: Annotated[str, typer.Option("--fault", help="hang, io_stall (needs root), crash or server_hang.")] = "hang",
+    keep: Annotated[bool, typer.Option("--keep", help="Keep the temporary directory (config, logs, state, outputs).")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Narrate on stderr; print the summary as JSON on stdout.")] = False,
+) -> int:
+    """A built-in pipeline (SGLang-protocol server + extraction client), supervised, with a fault
+    injected: detection, alert, kill, quarantine, resume to completion, in about a minute.
+
+    Exit 0 when everything happened as it should, 2 otherwise (saying what), 3 when the fault
+    cannot be staged here (io_stall without root).
+    """
+    from stallwatch.demo import FAULTS, run_demo
+
+    if fault not in FAULTS:
+        raise UsageError(f"--fault {fault}: expected one of {', '.join(FAULTS)}")
+    return run_demo(fault, keep=keep, json_out=json_out)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,21 +1,559 @@
-"""Finding the job when the user names nothing: the processes that hold GPU memory.
+"""Finding the job when the user names nothing: the pipeline, from /proc (and NVML) alone.
 
-Zero-config diagnosis starts from what an expert starts from, `nvidia-smi`: whoever holds GPU
-memory is the pipeline. Their trees and the logs they write follow from the probes.
+Zero-config diagnosis starts from what an expert starts from. `nvidia-smi`: whoever holds GPU
+memory is the pipeline. Without a GPU (or besides it), SGLang's process titles: the schedulers
+and the detokenizer call themselves `sglang::scheduler*` / `sglang::detokenizer` whatever
+script started them, and their parent is the HTTP server; `sglang.launch_server` and
+stallwatch's own `stallwatch.sglang.protocol_server` say so on their command lines. Then:
+
+- the **port** the server listens on: its LISTEN sockets in /proc/net/tcp{,6}, matched by inode
+  with the fds of the server's process tree (as stallwatch.probes.listener does);
+- the **clients**: ESTABLISHED sockets whose remote port is that port, held by processes outside
+  the server's tree (stallwatch's own processes excepted: a daemon's health checks are not a job);
+- the client's **log**: its stdout/stderr (fd 1/2) when they point to a regular file, else a
+  regular file it has open for writing whose name ends in .log/.txt/.out, else — stdout piped to
+  `tee` — the file the process at the other end of the pipe writes;
+- its **outputs**: the most common folder of the output files (*.pt, *.ckpt, ...) it has open
+  for writing or wrote in the last 10 minutes under the folders its command line names and its
+  cwd (a bounded walk with a deadline: the outputs' filesystem may be the stuck thing), widened
+  to the folder its command line names when the files sit in shard folders below it.
+
+The Target names the client (the job), its log, outputs and the server URL; what was found, and
+from what, is told through `report` (stderr by default). With no server found, the GPU processes
+are the job (their logs and outputs found the same way). Nothing at all: UsageError (exit 3).
 """
 
 from __future__ import annotations
 
+import os
+import re
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stallwatch import procfs
 from stallwatch.errors import UsageError
 from stallwatch.probes.gpu import GpuProbe, gpu_pids
+from stallwatch.roots import DEFAULT_ROOTS, Absent, Denied, Roots
 from stallwatch.targets import Target
 
+__all__ = ["discover", "find_pipeline", "Discovery", "SERVER_CMDLINE"]
 
-def discover(target: Target, gpu_probe: GpuProbe | None = None) -> Target:
+# Command lines (or process titles) that are an SGLang server, whatever started them.
+SERVER_CMDLINE = re.compile(
+    r"sglang[./]launch_server|sglang::(?:scheduler|detokenizer)|stallwatch[./]sglang[./]protocol_server")
+SGLANG_TITLE = re.compile(r"^sglang::(?:scheduler|detokenizer)")
+LOG_SUFFIXES = (".log", ".txt", ".out")
+OUTPUT_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors", ".npy", ".npz")
+RECENT_S = 600.0  # an output file modified this recently was written by the running job
+WALK_MAX_ENTRIES = 20_000
+WALK_MAX_DEPTH = 4
+WALK_DEADLINE_S = 2.0
+CLIENT_RETRIES = 4  # a client between two requests may hold no connection at this instant
+CLIENT_RETRY_S = 0.4
+_LOCAL = ("127.", "::1", "::ffff:127.")
+
+
+@dataclass
+class Proc:
+    pid: int
+    ppid: int
+    comm: str
+    state: str
+    start_ticks: int
+    cmdline: tuple[str, ...]
+    fds: dict[int, str] | None = None  # fd -> readlink target, read once, on demand
+
+    @property
+    def text(self) -> str:
+        return " ".join(self.cmdline) if self.cmdline else f"[{self.comm}]"
+
+
+@dataclass
+class Discovery:
+    target: Target
+    notes: list[str] = field(default_factory=list)
+    server_pid: int | None = None
+    server_url: str | None = None
+    client_pids: tuple[int, ...] = ()
+
+
+class _Host:
+    """One read of the process table and the TCP tables, shared by every step."""
+
+    def __init__(self, roots: Roots) -> None:
+        self.roots = roots
+        self.procs: dict[int, Proc] = {}
+        self.children: dict[int, list[int]] = {}
+        self.self_pids = {os.getpid()}
+        for name in self._listdir(roots.proc):
+            if not name.isdigit():
+                continue
+            pid = int(name)
+            try:
+                st = procfs.parse_stat(roots.read_text(roots.pid_dir(pid) / "stat"))
+            except (Absent, Denied, ValueError):
+                continue
+            try:
+                argv = procfs.parse_cmdline(roots.read_bytes(roots.pid_dir(pid) / "cmdline"))
+            except (Absent, Denied):
+                argv = ()
+            self.procs[pid] = Proc(pid, st.ppid, st.comm, st.state, st.start_ticks, argv)
+        for p in self.procs.values():
+            self.children.setdefault(p.ppid, []).append(p.pid)
+        # our own ancestry: the shell that runs `stallwatch diagnose` is no job
+        pid = os.getpid()
+        while pid in self.procs and pid > 1:
+            self.self_pids.add(pid)
+            pid = self.procs[pid].ppid
+        self.tcp: tuple[procfs.TcpSocket, ...] = ()
+        self.read_tcp()
+
+    def _listdir(self, path: Path) -> list[str]:
+        try:
+            return self.roots.listdir(path)
+        except (Absent, Denied):
+            return []
+
+    def read_tcp(self) -> None:
+        socks: list[procfs.TcpSocket] = []
+        for table in ("tcp", "tcp6"):
+            try:
+                socks += procfs.parse_net_tcp(self.roots.read_text(self.roots.proc / "net" / table,
+                                                                   limit=64 << 20))
+            except (Absent, Denied, ValueError):
+                continue
+        self.tcp = tuple(socks)
+
+    def fds(self, pid: int, refresh: bool = False) -> dict[int, str]:
+        p = self.procs.get(pid)
+        if p is None:
+            return {}
+        if p.fds is None or refresh:
+            out: dict[int, str] = {}
+            fd_dir = self.roots.pid_dir(pid) / "fd"
+            for fd in self._listdir(fd_dir):
+                try:
+                    out[int(fd)] = self.roots.readlink(fd_dir / fd)
+                except (Absent, Denied, ValueError):
+                    continue
+            p.fds = out
+        return p.fds
+
+    def fd_flags(self, pid: int, fd: int) -> int | None:
+        try:
+            _pos, flags = procfs.parse_fdinfo(self.roots.read_text(self.roots.pid_dir(pid) / "fdinfo" / str(fd)))
+        except (Absent, Denied, ValueError):
+            return None
+        return flags
+
+    def cwd(self, pid: int) -> str | None:
+        try:
+            return self.roots.readlink(self.roots.pid_dir(pid) / "cwd")
+        except (Absent, Denied):
+            return None
+
+    def tree(self, root: int) -> list[int]:
+        out, todo = [], [root]
+        while todo:
+            pid = todo.pop()
+            if pid in out:
+                continue
+            out.append(pid)
+            todo.extend(self.children.get(pid, ()))
+        return out
+
+    def socket_owners(self, inodes: set[int], pids: list[int] | None = None,
+                      refresh: bool = False) -> dict[int, list[int]]:
+        """inode -> pids holding it (among `pids`, default every process)."""
+        out: dict[int, list[int]] = {}
+        if not inodes:
+            return out
+        for pid in (pids if pids is not None else list(self.procs)):
+            for link in self.fds(pid, refresh=refresh).values():
+                ino = procfs.socket_inode(link)
+                if ino in inodes:
+                    out.setdefault(ino, [])
+                    if pid not in out[ino]:
+                        out[ino].append(pid)
+        return out
+
+    def is_stallwatch(self, pid: int) -> bool:
+        """stallwatch's own tools (a daemon's health checks, a diagnose), never a job; the
+        reference client `python -m stallwatch.sglang.extract_client` is a job."""
+        if pid in self.self_pids:
+            return True
+        argv = self.procs[pid].cmdline if pid in self.procs else ()
+        if not argv:
+            return False
+        if os.path.basename(argv[0]) == "stallwatch":
+            return True
+        for i, a in enumerate(argv[:-1]):
+            if a == "-m" and argv[i + 1] in ("stallwatch", "stallwatch.cli", "stallwatch.daemon.wrap"):
+                return True
+        return False
+
+
+def _say_default(msg: str) -> None:
+    print(f"stallwatch: discovered: {msg}", file=sys.stderr)
+
+
+def discover(target: Target, gpu_probe: GpuProbe | None = None, *, roots: Roots = DEFAULT_ROOTS,
+             report: Callable[[str], None] | None = _say_default) -> Target:
+    """The Target for `diagnose` with no --pid/--match: the pipeline's client, its log, outputs
+    and server (what the user gave is kept). Tells what it found, and from what, via `report`."""
+    d = find_pipeline(target, gpu_probe, roots=roots)
+    if report is not None:
+        for note in d.notes:
+            report(note)
+    return d.target
+
+
+def find_pipeline(target: Target, gpu_probe: GpuProbe | None = None, *,
+                  roots: Roots = DEFAULT_ROOTS) -> Discovery:
+    notes: list[str] = []
     probe = gpu_probe or GpuProbe()
-    obs = probe.collect()
-    pids = sorted(gpu_pids(obs))
+    try:
+        obs = probe.collect()
+        gpu = gpu_pids(obs)
+        gpu_status = obs.status
+    except Exception as e:  # noqa: BLE001 - NVML trouble is no reason not to look at /proc
+        gpu, gpu_status = {}, f"error: {type(e).__name__}"
+    host = _Host(roots)
+
+    # -- the server: SGLang process titles and command lines, their parents, GPU holders
+    why: dict[int, str] = {}
+    for p in host.procs.values():
+        if p.pid in host.self_pids:
+            continue
+        text = p.text
+        if SERVER_CMDLINE.search(text):
+            why.setdefault(p.pid, f"its command line reads {_short(text)!r}")
+            if SGLANG_TITLE.match(text) and p.ppid in host.procs and p.ppid > 1:
+                parent = host.procs[p.ppid]
+                why.setdefault(parent.pid, f"the parent of {text.split()[0]} (pid {p.pid})")
+    for pid in gpu:
+        if pid in host.procs:
+            why.setdefault(pid, "it holds GPU memory (NVML)")
+    servers = _server_roots(host, why)
+    found: list[tuple[int, int, str, list[int]]] = []  # (root, port, url, clients)
+    for root in servers:
+        port, addr = _listen_port(host, root)
+        if port is None:
+            continue
+        url = _url(addr, port)
+        clients = _clients(host, root, port)
+        found.append((root, port, url, clients))
+    sglang_servers = [f for f in found if any(not why[p].startswith("it holds GPU")
+                                              for p in host.tree(f[0]) if p in why)]
+    gpu_servers = [f for f in found if f not in sglang_servers and f[3]]
+    candidates = sglang_servers + gpu_servers
+    candidates.sort(key=lambda f: (not f[3], f[0]))  # with clients first
+
+    if candidates:
+        root, port, url, clients = candidates[0]
+        rp = host.procs[root]
+        kids = [f"{host.procs[c].text.split()[0]} (pid {c})" for c in host.tree(root)[1:]
+                if c in host.procs and SGLANG_TITLE.match(host.procs[c].text)]
+        gpu_held = [p for p in host.tree(root) if p in gpu]
+        reasons = []
+        if root in why and not why[root].startswith(("the parent of", "it holds GPU")):
+            reasons.append(why[root])
+        if kids:
+            reasons.append(f"its children are {', '.join(kids)}")
+        if gpu_held:
+            reasons.append(f"pid(s) {', '.join(map(str, gpu_held))} hold GPU memory (NVML)")
+        notes.append(f"server: pid {root} ({_short(rp.text)}), listening on port {port} "
+                     f"(/proc/net/tcp LISTEN, socket held by its tree) → {url}; an SGLang server "
+                     f"because {'; '.join(reasons) or why.get(root, '?')}")
+        for other in candidates[1:]:
+            notes.append(f"also a server: pid {other[0]} on port {other[1]} "
+                         f"({len(other[3])} client(s)): not chosen; name it with --server/--pid")
+        server = target.server or url
+        if not clients:
+            notes.append(f"no client is connected to port {port}: diagnosing the server's "
+                         "processes themselves")
+            return Discovery(target.model_copy(update={"pids": tuple(host.tree(root)),
+                                                       "name": "sglang-server",
+                                                       "server": server}),
+                             notes, root, url, ())
+        main = clients[0]
+        cp = host.procs[main]
+        notes.append(f"client: pid {main} ({_short(cp.text)}): an ESTABLISHED connection to "
+                     f"port {port}"
+                     + (f"; also pids {', '.join(map(str, clients[1:]))}" if clients[1:] else ""))
+        log, outputs = _log_and_outputs(host, main, target, notes)
+        name = _job_name(cp)
+        return Discovery(target.model_copy(update={
+            "pids": tuple(clients), "name": name, "server": server,
+            "log": target.log or log, "outputs": target.outputs or outputs}),
+            notes, root, url, tuple(clients))
+
+    # -- no server: the GPU processes are the job (the original zero-config behaviour)
+    pids = sorted(p for p in gpu if p in host.procs) or sorted(gpu)
     if not pids:
-        why = "no GPU process found" if obs.status == "ok" else f"NVML: {obs.status}"
-        raise UsageError(f"no target given and {why}: name the job with --pid PID or --match REGEX")
-    return target.model_copy(update={"pids": tuple(pids), "name": "gpu-processes"})
+        if servers:
+            detail = ", ".join(f"pid {r}" for r in servers)
+            raise UsageError(f"no target given; found an SGLang server ({detail}) but no port it "
+                             "listens on: name the job with --pid PID or --match REGEX")
+        why_not = "no GPU process" if gpu_status == "ok" else f"no GPU process (NVML: {gpu_status})"
+        raise UsageError(f"no target given and {why_not} or SGLang server found: name the job "
+                         "with --pid PID or --match REGEX")
+    notes.append("GPU processes (NVML): " + ", ".join(
+        f"pid {p} ({_short(host.procs[p].text) if p in host.procs else '?'})" for p in pids))
+    log = outputs = None
+    if pids[0] in host.procs:
+        log, outputs = _log_and_outputs(host, pids[0], target, notes)
+    return Discovery(target.model_copy(update={"pids": tuple(pids), "name": "gpu-processes",
+                                               "log": target.log or log,
+                                               "outputs": target.outputs or outputs}),
+                     notes, None, None, tuple(pids))
+
+
+# ------------------------------------------------------------------------------- the server
+
+
+def _server_roots(host: _Host, why: dict[int, str]) -> list[int]:
+    """The top process of each server tree: climb while the parent is a server process too."""
+    roots: list[int] = []
+    for pid in sorted(why):
+        top = pid
+        seen = {pid}
+        while True:
+            parent = host.procs[top].ppid if top in host.procs else 0
+            if parent in why and parent not in seen:
+                top = parent
+                seen.add(top)
+            else:
+                break
+        if top not in roots:
+            roots.append(top)
+    # a root inside another root's tree (a GPU child of an SGLang server) is that server
+    out = []
+    for r in roots:
+        if not any(r != o and r in host.tree(o) for o in roots):
+            out.append(r)
+    return out
+
+
+def _listen_port(host: _Host, root: int) -> tuple[int | None, str]:
+    listening = {s.inode: s for s in host.tcp if s.state == "LISTEN"}
+    tree = host.tree(root)
+    owners = host.socket_owners(set(listening), tree)
+    if not owners:
+        return None, ""
+    by_root = [listening[i] for i, pids in owners.items() if root in pids]
+    socks = by_root or [listening[i] for i in owners]
+    established = Counter(s.remote_port for s in host.tcp if s.state == "ESTABLISHED")
+    # the HTTP port: held by the top process, with clients connected, else the lowest
+    socks.sort(key=lambda s: (-established.get(s.local_port, 0), s.local_port))
+    best = socks[0]
+    return best.local_port, best.local_addr
+
+
+def _url(addr: str, port: int) -> str:
+    if addr in ("0.0.0.0", "::", "", "::ffff:0.0.0.0") or addr.startswith("127."):
+        host = "127.0.0.1" if not addr.startswith("127.") else addr
+    elif ":" in addr:
+        host = "[::1]" if addr == "::1" else f"[{addr}]"
+    else:
+        host = addr
+    return f"http://{host}:{port}"
+
+
+def _clients(host: _Host, root: int, port: int) -> list[int]:
+    """Processes outside the server's tree with an ESTABLISHED connection to its port."""
+    tree = set(host.tree(root))
+    for attempt in range(CLIENT_RETRIES):
+        if attempt:
+            time.sleep(CLIENT_RETRY_S)
+            host.read_tcp()
+        local_addrs = {s.local_addr for s in host.tcp}
+        inodes = {s.inode for s in host.tcp if s.state == "ESTABLISHED" and s.remote_port == port
+                  and s.local_port != port and s.inode
+                  and (s.remote_addr.startswith(_LOCAL) or s.remote_addr in local_addrs)}
+        if not inodes:
+            continue
+        pids = [p for p in host.procs if p not in tree and not host.is_stallwatch(p)]
+        owners = host.socket_owners(inodes, pids, refresh=attempt > 0)
+        clients = sorted({p for ps in owners.values() for p in ps})
+        # a launcher and its child sharing the socket: the child does the work
+        clients = [c for c in clients if not any(o != c and host.procs[o].ppid == c
+                                                 for o in clients)]
+        if clients:
+            return clients
+    return []
+
+
+# -------------------------------------------------------------------------- log and outputs
+
+
+def _regular(path: str) -> bool:
+    if not path.startswith("/") or path.startswith(("/dev/", "/proc/", "/sys/")) \
+            or path.endswith(" (deleted)"):
+        return False
+    try:
+        return os.path.isfile(path)
+    except OSError:
+        return False
+
+
+def _find_log(host: _Host, pid: int) -> tuple[str | None, str]:
+    fds = host.fds(pid)
+    for fd, what in ((2, "stderr"), (1, "stdout")):
+        link = fds.get(fd, "")
+        if _regular(link):
+            return link, f"its {what} (fd {fd}) is that file"
+    for fd, link in sorted(fds.items()):
+        if fd > 2 and _regular(link) and link.endswith(LOG_SUFFIXES):
+            flags = host.fd_flags(pid, fd)
+            if flags is not None and procfs.opened_for_write(flags):
+                return link, f"it has it open for {'append' if flags & os.O_APPEND else 'writing'} (fd {fd})"
+    # stdout/stderr into a pipe: the process reading the other end (tee) writes the log
+    for fd in (2, 1):
+        link = fds.get(fd, "")
+        if not link.startswith("pipe:"):
+            continue
+        for other in host.procs:
+            if other == pid or host.is_stallwatch(other):
+                continue
+            ofds = host.fds(other)
+            if link not in ofds.values() or ofds.get(1) == link or ofds.get(2) == link:
+                continue  # not a reader of this pipe (or another writer)
+            for ofd, olink in sorted(ofds.items()):
+                if ofd > 2 and _regular(olink):
+                    flags = host.fd_flags(other, ofd)
+                    if flags is not None and procfs.opened_for_write(flags):
+                        return olink, (f"its fd {fd} is a pipe read by pid {other} "
+                                       f"({_short(host.procs[other].text)}), which writes that file")
+    return None, ""
+
+
+def _named_dirs(argv: tuple[str, ...], cwd: str | None) -> list[str]:
+    """Existing folders the command line names (`--out DIR`, `--out=DIR`, `DIR`)."""
+    out: list[str] = []
+    for a in argv[1:]:
+        val = a.split("=", 1)[1] if a.startswith("-") and "=" in a else a
+        if not val or val.startswith("-"):
+            continue
+        path = val if os.path.isabs(val) else (os.path.join(cwd, val) if cwd else None)
+        if path and path not in ("/",) and os.path.isdir(path):
+            out.append(os.path.normpath(path))
+    return list(dict.fromkeys(out))
+
+
+def _walk_outputs(roots: list[str], since: float, deadline_s: float) -> tuple[Counter, bool]:
+    """Folders of recent output files under `roots` (bounded; in a thread with a deadline)."""
+    counts: Counter = Counter()
+    lock = threading.Lock()
+    done = threading.Event()
+
+    def walk() -> None:
+        budget = WALK_MAX_ENTRIES
+        seen: set[str] = set()
+        for top in roots:
+            stack = [(top, 0)]
+            while stack and budget > 0:
+                d, depth = stack.pop()
+                if d in seen or d.endswith(".quarantine"):
+                    continue
+                seen.add(d)
+                try:
+                    with os.scandir(d) as it:
+                        for e in it:
+                            budget -= 1
+                            if budget <= 0:
+                                break
+                            try:
+                                if e.is_dir(follow_symlinks=False):
+                                    if depth < WALK_MAX_DEPTH and not e.name.startswith("."):
+                                        stack.append((e.path, depth + 1))
+                                elif e.name.endswith(OUTPUT_SUFFIXES) and \
+                                        e.stat(follow_symlinks=False).st_mtime >= since:
+                                    with lock:
+                                        counts[d] += 1
+                            except OSError:
+                                continue
+                except OSError:
+                    continue
+        done.set()
+
+    t = threading.Thread(target=walk, name="discover-outputs", daemon=True)
+    t.start()
+    finished = done.wait(deadline_s)
+    with lock:  # a walk past its deadline goes on in its thread: take what it found so far
+        return Counter(counts), finished
+
+
+def _find_outputs(host: _Host, pid: int, log: str | None) -> tuple[str | None, str]:
+    p = host.procs[pid]
+    cwd = host.cwd(pid)
+    counts: Counter = Counter()
+    how = ""
+    for fd, link in host.fds(pid).items():
+        if fd <= 2 or link == log or not _regular(link):
+            continue
+        flags = host.fd_flags(pid, fd)
+        if flags is not None and procfs.opened_for_write(flags) and not link.endswith(LOG_SUFFIXES):
+            counts[os.path.dirname(link)] += 1
+    if counts:
+        how = "it has files open for writing there"
+    named = _named_dirs(p.cmdline, cwd)
+    if not counts:
+        walk_roots = named + ([cwd] if cwd and cwd != "/" and cwd not in named else [])
+        counts, finished = _walk_outputs(walk_roots, time.time() - RECENT_S, WALK_DEADLINE_S)
+        if counts:
+            how = f"{sum(counts.values())} output file(s) ({'/'.join('*' + s for s in OUTPUT_SUFFIXES[:3])}...) " \
+                  f"modified in the last {RECENT_S / 60:g} minutes"
+        elif not finished:
+            return None, (f"looking for its outputs under {', '.join(walk_roots)} did not "
+                          f"finish within {WALK_DEADLINE_S:g} s")
+    if not counts:
+        return None, ""
+    best = counts.most_common(1)[0][0]
+    # Shard folders (rows_0-2000/) below a folder the command line names: that folder.
+    for d in sorted(named, key=len):
+        if best == d or best.startswith(d.rstrip("/") + "/"):
+            if best != d:
+                how += f", in folders below {d}, which its command line names"
+            return d, how
+    return best, how
+
+
+def _log_and_outputs(host: _Host, pid: int, target: Target,
+                     notes: list[str]) -> tuple[Path | None, Path | None]:
+    log = outputs = None
+    if target.log is None:
+        found, how = _find_log(host, pid)
+        if found:
+            log = Path(found)
+            notes.append(f"log: {found} ({how})")
+        else:
+            notes.append(f"log: none found for pid {pid} (stdout/stderr are not files; pass --log)")
+    if target.outputs is None:
+        found, how = _find_outputs(host, pid, str(log or target.log or ""))
+        if found:
+            outputs = Path(found)
+            notes.append(f"outputs: {found} ({how})")
+        else:
+            notes.append(f"outputs: none found for pid {pid}" + (f" ({how})" if how else
+                                                                   " (pass --outputs)"))
+    return log, outputs
+
+
+def _job_name(p: Proc) -> str:
+    for a in p.cmdline[1:4]:
+        if a.endswith(".py"):
+            return re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.basename(a)[:-3])[:64] or "job"
+    for i, a in enumerate(p.cmdline[:-1]):
+        if a == "-m":
+            return re.sub(r"[^A-Za-z0-9_.-]", "_", p.cmdline[i + 1].rsplit(".", 1)[-1])[:64]
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", p.comm)[:64] or "job"
+
+
+def _short(text: str, n: int = 120) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"

@@ -150,6 +150,29 @@ def test_hang_fault_deadlocks_the_main_thread(server, tmp_path):
         assert proc.poll() is None and progress_events(log.read_text())[-1].done == 2
 
 
+def test_hang_mid_write_leaves_a_truncated_file_at_its_final_path(server, tmp_path):
+    """SpecForge's hazard, on demand: the writer stops half-way through a file, alive."""
+    from stallwatch.actions.validate import validate_file
+
+    out, log = tmp_path / "out", tmp_path / "client.log"
+    argv = [sys.executable, "-m", "stallwatch.sglang.extract_client", "--server", server.url, "--out",
+            str(out), "--num-samples", "8", "--seq-len", "8", "--fault", "hang_mid_write",
+            "--fault-at", "3", "--log", str(log)]
+    torn = out / "rows_0-2000" / "data_3.ckpt"
+    with spawned(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+        wait_until(lambda: torn.exists() and torn.stat().st_size > 0
+                   and any(t.name.startswith("data_3") for t in torn.parent.iterdir()), 20,
+                   "the torn file")
+        wait_until(lambda: task_state(proc.pid) == "S", 10, "the client asleep")
+        assert proc.poll() is None
+    assert not validate_file(torn).ok
+    assert all(validate_file(out / "rows_0-2000" / f"data_{i}.ckpt").ok for i in range(3))
+    r = client(server.url, out, 8, "--fault", "hang_mid_write", "--fault-at", "3", "--resume",
+               "--verify-existing")  # fires once; the torn file is redone
+    assert r.returncode == 0, r.stderr
+    assert validate_file(torn).ok
+
+
 def test_server_hang_makes_the_client_time_out(tmp_path):
     with launch_server([*SERVER_FLAGS, "--fault", "hang", "--fault-after-requests", "2"]) as s:
         out = tmp_path / "out"

@@ -139,6 +139,7 @@ class _Seen:
     state: str | None = None
     comm: str | None = None
     pgid: int | None = None
+    tid: int | None = None  # a live thread of a process whose leader is a zombie
 
 
 def _signame(sig: int) -> str:
@@ -310,6 +311,12 @@ class KillOperation:
         except (Absent, Denied):
             return None
 
+    def _task_wchan(self, pid: int, tid: int) -> str | None:
+        try:
+            return procfs.parse_wchan(self.roots.read_text(self.roots.pid_dir(pid, tid) / "wchan"))
+        except (Absent, Denied):
+            return None
+
     def _refresh(self, seen: _Seen, st: procfs.Stat | None | Literal["denied"]) -> None:
         if seen.status in ("dead", "reused"):
             return  # an identity that ended never comes back
@@ -329,6 +336,36 @@ class KillOperation:
         else:
             seen.state, seen.comm, seen.pgid = st.state, st.comm, st.pgid
             seen.status = "zombie" if st.state in ("Z", "X") else "alive"
+            seen.tid = None
+            if seen.status == "zombie":
+                live = self._live_thread(seen.pid)
+                if live is not None:
+                    # The thread-group leader exited but another thread lives on (a writer
+                    # blocked in D on a frozen filesystem, say): the process is not dead, it
+                    # still holds its files and its blocked write.
+                    seen.status, seen.state, seen.tid = "alive", live[0], live[1]
+
+    def _live_thread(self, pid: int) -> tuple[str, int] | None:
+        """(state, tid) of a thread of `pid` that is not a zombie, D first; None if none."""
+        try:
+            tids = self.roots.listdir(self.roots.pid_dir(pid) / "task")
+        except (Absent, Denied):
+            return None
+        best: tuple[str, int] | None = None
+        for name in tids:
+            if not name.isdigit():
+                continue
+            try:
+                st = procfs.parse_stat(self.roots.read_text(self.roots.pid_dir(pid, int(name)) / "stat"))
+            except (Absent, Denied, ValueError):
+                continue
+            if st.state in ("Z", "X"):
+                continue
+            if best is None or st.state == "D":
+                best = (st.state, int(name))
+            if st.state == "D":
+                break
+        return best
 
     def _observe(self) -> list[_Seen]:
         """Refresh every tracked identity, verify the group, adopt its new members.
@@ -381,7 +418,9 @@ class KillOperation:
         return out
 
     def _survivor(self, s: _Seen) -> Survivor:
-        wchan = self._wchan(s.pid) if s.status == "alive" else None
+        wchan = None
+        if s.status == "alive":
+            wchan = self._wchan(s.pid) if s.tid is None else self._task_wchan(s.pid, s.tid)
         return Survivor(pid=s.pid, start_ticks=s.start_ticks, comm=s.comm, state=s.state,
                         wchan=wchan, role=s.role)
 

@@ -137,7 +137,27 @@ def identity_alive(pid: int | None, ticks: int | None) -> bool:
     if not pid or ticks is None:
         return False
     st = proc_state(pid)
-    return st is not None and st[1] == ticks and st[0] not in ("Z", "X")
+    if st is None or st[1] != ticks:
+        return False
+    # A zombie leader whose other threads live on (one blocked in D) is not gone.
+    return st[0] not in ("Z", "X") or _threads_alive(pid)
+
+
+def _threads_alive(pid: int) -> bool:
+    """Does a thread of `pid` other than its exited leader still live?"""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                text = f.read()
+        except OSError:
+            continue
+        if text[text.rfind(")") + 2:][:1] not in ("Z", "X"):
+            return True
+    return False
 
 
 def identity_exists(pid: int | None, ticks: int | None) -> bool:

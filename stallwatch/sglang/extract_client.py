@@ -65,8 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-pending-io", type=int, default=4, help="queued writes before generation waits")
     a("--timeout-s", type=float, default=600.0, help="per request socket timeout")
     a("--log", default=None, help="also append progress and messages to this file")
-    a("--fault", choices=["hang", "crash", "io"], default=None,
-      help="hang: deadlock; crash: raise; io: write that sample to --io-path")
+    a("--fault", choices=["hang", "crash", "io", "hang_mid_write"], default=None,
+      help="hang: deadlock; crash: raise; io: write that sample to --io-path; hang_mid_write: "
+           "the writer deadlocks half-way through that sample's file (a truncated file is left "
+           "at its final path, as a killed SpecForge job leaves one)")
     a("--fault-at", type=int, default=None, help="sample index where the fault happens")
     a("--io-path", default=None, help="for --fault io: a file or folder (e.g. on a frozen fs)")
     a("--fault-always", action="store_true",
@@ -340,17 +342,32 @@ class Extraction:
 
     def _fire(self, idx: int) -> None:
         if self.a.fault == "hang":
-            lock = threading.Lock()
-            lock.acquire()
-            lock.acquire()  # a deadlock: blocked in futex forever, no wakeups
+            self._fire_hang()
         if self.a.fault == "crash":
             raise RuntimeError(f"injected fault: crash at sample {idx}")
 
     # -- saving ---------------------------------------------------------------------------------
 
-    def _save(self, rec: dict, path: Path) -> None:
+    def _save(self, rec: dict, path: Path, torn: bool = False) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        ptfile.save(rec, path, atomic=self.a.atomic)
+        if not torn:
+            ptfile.save(rec, path, atomic=self.a.atomic)
+            return
+        # The fault: half of the file reaches its final path, then the writer never returns.
+        whole = path.with_name(f".{path.name}.whole")
+        ptfile.save(rec, whole, atomic=False)
+        data = whole.read_bytes()
+        whole.unlink()
+        with open(path, "wb") as f:
+            f.write(data[: len(data) // 2])
+            f.flush()
+            os.fsync(f.fileno())
+        self._fire_hang()
+
+    def _fire_hang(self) -> None:
+        lock = threading.Lock()
+        lock.acquire()
+        lock.acquire()  # a deadlock: blocked in futex forever, no wakeups
 
     def _pending_io(self) -> int:
         return sum(1 for f in self.io_futures if not f.done())
@@ -360,12 +377,12 @@ class Extraction:
         while self.io_futures and (self.io_futures[0].done() or len(self.io_futures) > block_until):
             self.io_futures.popleft().result()  # re-raises the write's exception
 
-    def _submit_write(self, rec: dict, path: Path) -> None:
+    def _submit_write(self, rec: dict, path: Path, torn: bool = False) -> None:
         if self.io_pool is None:
-            self._save(rec, path)
+            self._save(rec, path, torn)
             return
         self._reap_io(max(0, self.a.max_pending_io - 1))
-        self.io_futures.append(self.io_pool.submit(self._save, rec, path))
+        self.io_futures.append(self.io_pool.submit(self._save, rec, path, torn))
 
     def _postfix(self) -> None:
         self.bar.set_postfix(OrderedDict(processed=self.processed, skipped=self.skipped,
@@ -401,9 +418,12 @@ class Extraction:
                 self._advance()
                 continue
             path = sample_path(self.out, idx)
+            torn = False
             if self.a.fault == "io" and self._fault_due(idx):
                 path = self._io_fault_path(idx)
-            self._submit_write(rec, path)
+            elif self.a.fault == "hang_mid_write" and self._fault_due(idx):
+                torn = True
+            self._submit_write(rec, path, torn)
             self.processed += 1
             self._advance()
 
