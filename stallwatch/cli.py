@@ -49,8 +49,40 @@ def make_target(pid: list[int], match: str | None, log: Path | None, progress_re
         raise UsageError(f"--server {server}: expected a URL like http://127.0.0.1:30000")
     if any(p <= 0 for p in pid):
         raise UsageError(f"--pid: process ids are positive integers, got {min(pid)}")
-    return Target(name=name, pids=tuple(pid), match=match, log=log, progress_regex=progress_regex,
-                  outputs=outputs, server=server.rstrip("/") if server else None)
+    # Absolute paths: the disks probe maps them to mounts, and a trace must mean the same later.
+    return Target(name=name, pids=tuple(pid), match=match, log=log and log.absolute(),
+                  progress_regex=progress_regex, outputs=outputs and outputs.absolute(),
+                  server=server.rstrip("/") if server else None)
+
+
+def target_from_config(path: Path, name: str | None):
+    """The Target of one [[job]]: its pid from the pid_file, its match, or for a supervised job
+    the pid the daemon's state database holds."""
+    from stallwatch.config import load_config
+    from stallwatch.targets import Target
+
+    cfg = load_config(path)
+    jobs = [j for j in cfg.job if name is None or j.name == name]
+    if not jobs:
+        raise UsageError(f"{path}: no [[job]] named {name!r}" if name else f"{path}: no [[job]]")
+    j = jobs[0]
+    pids: tuple[int, ...] = ()
+    if j.pid_file is not None:
+        try:
+            pids = (int(j.pid_file.read_text().split()[0]),)
+        except (OSError, ValueError, IndexError) as e:
+            raise UsageError(f"{j.pid_file}: no pid in the job's pid_file ({e})") from e
+    elif j.command is not None:
+        from stallwatch.state import StateDB
+
+        db = StateDB.open_readonly(cfg.state_dir)
+        row = db.job(j.name) or {}
+        if not row.get("pid"):
+            raise UsageError(f"job {j.name!r} has no running process in {cfg.state_dir} "
+                             "(is `stallwatch run` supervising it?)")
+        pids = (int(row["pid"]),)
+    return Target(name=j.name, pids=pids, match=j.match, log=j.log, progress_regex=j.progress_regex,
+                  outputs=j.outputs, server=j.server)
 
 
 @app.command()
@@ -79,8 +111,10 @@ def record(
     duration: Annotated[Optional[float], typer.Option("--duration", help="Seconds to record; default until interrupted.")] = None,
     interval: Annotated[float, typer.Option("--interval", help="Seconds between snapshots.")] = 1.0,
     note: Annotated[Optional[str], typer.Option("--note", help="Free text stored in the trace header.")] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", help="Record a job of this daemon config instead of flags.")] = None,
+    job: Annotated[Optional[str], typer.Option("--job", help="With --config: which [[job]] (default: the first).")] = None,
 ) -> None:
-    """The flight recorder: one snapshot per interval into a JSON Lines trace."""
+    """The flight recorder: one snapshot per interval into a JSON Lines trace (.gz: compressed)."""
     from stallwatch.collector import Collector
     from stallwatch.trace import TraceWriter
 
@@ -88,7 +122,12 @@ def record(
         raise UsageError("--interval must be positive")
     if duration is not None and duration < 0:
         raise UsageError("--duration must not be negative")
-    target = make_target(pid, match, log, progress_regex, outputs, server)
+    if config is not None:
+        if pid or match or log or outputs or server:
+            raise UsageError("--config names the job: give either --config or target flags, not both")
+        target = target_from_config(config, job)
+    else:
+        target = make_target(pid, match, log, progress_regex, outputs, server)
     c = Collector(target)
     n = 0
     with TraceWriter(out, {"note": note, "interval_s": interval}) as w:

@@ -83,6 +83,10 @@ class Collector:
         reports: list[ProbeReport] = []
         values = {}
         for name, (value, report) in results.items():
+            if name == "kmsg" and value is not None and value.status != ProbeStatus.ok:
+                # The probe returns a value when /dev/kmsg is unreadable; the report must say so.
+                report = report.model_copy(update={"status": value.status,
+                                                   "error": value.error or value.status.value})
             if name == "gpu" and value is not None and value.status in _GPU_STATUS:
                 report = report.model_copy(update={"status": _GPU_STATUS[value.status],
                                                    "error": value.error or value.status})

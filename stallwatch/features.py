@@ -36,6 +36,8 @@ CADENCE_MIN_SAMPLES = 5
 ACTIVITY_WINDOW_S = 10.0
 RECENT_EVENT_S = 900.0  # kernel and Xid events older than this are history, not the present
 
+APPLICATION_XIDS = {13, 31, 43, 45}
+
 WAIT_SYSCALLS = {"recvfrom", "recvmsg", "recvmmsg", "read", "readv", "poll", "ppoll", "select",
                  "pselect6", "epoll_wait", "epoll_pwait", "epoll_pwait2", "futex"}
 SOCKET_READ_SYSCALLS = {"recvfrom", "recvmsg", "recvmmsg", "read", "readv"}
@@ -291,7 +293,11 @@ def _gpu(snap: Snapshot, job_pids: set[int]) -> dict[str, Any]:
             if pr.pid in job_pids:
                 job_mem += pr.used_bytes or 0
                 job_gpus.add(d.index)
-    xids = [e for e in (g.xid_events if g else ()) if snap.t_wall - e.wall_time < RECENT_EVENT_S]
+    # Corrected single-bit ECC is the hardware working as designed, and Xids 13, 31, 43 and 45
+    # are raised by the application itself (an illegal access, a page fault, a killed context):
+    # the job's problem, judged by its own verdict, not a GPU fault.
+    xids = [e for e in (g.xid_events if g else ()) if snap.t_wall - e.wall_time < RECENT_EVENT_S
+            and e.kind != "ecc_single_bit" and e.xid not in APPLICATION_XIDS]
     lost = [d.index for d in devs if d.lost]
     ecc = [d.index for d in devs if (d.ecc_volatile_uncorrected or 0) > 0]
     return {
@@ -515,7 +521,7 @@ def _kernel(snap: Snapshot, procs: list[ProcessObs]) -> dict[str, Any]:
     ooms = [e for e in events if e.kind == "oom_kill"]
     job_oom = next((e for e in reversed(ooms) if e.pid in job_pids), None)
     hung = [e for e in events if e.kind == "hung_task" and e.pid in job_pids]
-    xids = [e for e in events if e.kind == "gpu_xid"]
+    xids = [e for e in events if e.kind == "gpu_xid" and e.xid not in APPLICATION_XIDS]
     ioerr = [e for e in events if e.kind in ("block_io_error", "fs_error")]
     return {
         "readable": bool(k and k.status.value == "ok"),

@@ -164,3 +164,24 @@ def test_diagnose_renders_for_a_person(tmp_path):
         finally:
             s.kill()
     assert "18380/37312" in r.stdout and "sleep 60" in r.stdout
+
+
+def test_record_a_job_named_in_a_daemon_config(tmp_path):
+    log = tmp_path / "job.log"
+    log.write_text("step 3/10\n")
+    cfg = tmp_path / "sw.toml"
+    cfg.write_text(f'[daemon]\nstate_dir = "{tmp_path / "state"}"\n\n[[job]]\nname = "sleeper"\n'
+                   f'match = "sleep 4243"\nlog = "{log}"\n')
+    cfg.chmod(0o644)
+    out = tmp_path / "t.jsonl.gz"
+    with subprocess.Popen(["sleep", "4243"]) as p:
+        try:
+            r = run("record", "--config", str(cfg), "--out", str(out), "--duration", "0.5", "--interval", "0.25")
+        finally:
+            p.kill()
+    assert r.returncode == 0, r.stderr
+    header, snaps, _ = read_trace(out)
+    assert snaps and snaps[-1]["target"]["name"] == "sleeper"
+    assert snaps[-1]["processes"]["targets"] == [p.pid]
+    r = run("record", "--config", str(cfg), "--job", "nope", "--out", str(out))
+    assert r.returncode == 3 and "no [[job]] named 'nope'" in r.stderr
