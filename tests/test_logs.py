@@ -350,3 +350,26 @@ def test_runs_under_the_deadline_runner(tmp_path, clock):
     probe = LogProbe(log, clock=clock, name="log:extract")
     obs, report = DeadlineRunner().call(probe.name, probe.collect, 5.0)
     assert report.status == ProbeStatus.ok and report.name == "log:extract" and obs.progress.done == 1
+
+
+def test_new_run_forgets_the_old_runs_rhythm(tmp_path, clock):
+    """A restarted job: the downtime is not a cadence interval, and its silence starts now."""
+    log = tmp_path / "job.log"
+    probe = LogProbe(log, clock=clock)
+    append(log, "sample 0/100\n")
+    probe.collect()
+    for i in range(1, 8):
+        clock.advance(1)
+        append(log, f"sample {i}/100\n")
+        probe.collect()
+    clock.advance(300)  # the job hung, was killed, restarted
+    o = probe.collect()
+    assert o.idle_s == 300.0 and o.cadence_s.max_s == 1.0
+    probe.new_run()
+    o = probe.collect()
+    assert o.idle_s == 0.0 and o.cadence_s is None and o.rate_per_s is None
+    clock.advance(1)
+    append(log, "sample 8/100\n")
+    o = probe.collect()
+    # Without new_run() the 301 s gap would be learned as an interval (threshold 602 s).
+    assert o.progress.done == 8 and (o.cadence_s is None or o.cadence_s.max_s <= 1.0)

@@ -289,6 +289,19 @@ class LogProbe:
         self._peeked: str | None = None  # partial line already counted as progress
         self._tqdm_history: list[ProgressEvent] = []
 
+    def new_run(self) -> None:
+        """The job was restarted: what was learned about the old run's rhythm is void (the
+        downtime is not a cadence interval, and the old rate is not the new run's average), and
+        its silence starts now, not at the old run's last line. The log is still followed from
+        where it is: the new run appends to it."""
+        self._intervals.clear()
+        self._estimated = self._observed = 0
+        self._samples.clear()
+        self._tb.reset()
+        self._fatal.clear()
+        if self._last_change is not None:
+            self._last_change, self._idle_source = self.clock.monotonic(), "observed"
+
     # -- per tick
 
     def collect(self) -> LogObs:
