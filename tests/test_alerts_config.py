@@ -159,3 +159,14 @@ def test_load_alerts_file_and_the_daemon_config(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match=r"stallwatch.toml(:\d+)?: alert\[0\].url: expected an http\(s\):// URL"):
         load_config(p)
     os.chmod(p, 0o644)
+
+
+def test_alert_durations_take_the_config_duration_strings():
+    from stallwatch.alerts.config import parse_alerts
+    from stallwatch.errors import UsageError
+
+    cfg, = parse_alerts([{"type": "webhook", "url": "http://127.0.0.1:9/x", "renotify_every_s": "1h",
+                          "timeout_s": "5s", "retry_max_s": "2m"}], "sw.toml")
+    assert (cfg.renotify_every_s, cfg.timeout_s, cfg.retry_max_s) == (3600.0, 5.0, 120.0)
+    with pytest.raises(UsageError, match=r"alert\[0\]\.renotify_every_s: bad duration"):
+        parse_alerts([{"type": "webhook", "url": "http://127.0.0.1:9/x", "renotify_every_s": "1 h"}], "sw.toml")

@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal, Mapping, Union
 from pydantic import (BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, ValidationError,
                       field_validator, model_validator)
 
+from stallwatch.engine.duration import parse_duration
 from stallwatch.errors import UsageError
 
 from .redact import register_secret
@@ -58,6 +59,13 @@ class _Base(BaseModel):
     retry_initial_s: float = Field(1.0, gt=0, le=3600, description="First backoff; doubles each retry.")
     retry_max_s: float = Field(120.0, gt=0, le=3600)
     give_up_after_s: float = Field(900.0, gt=0, description="Stop retrying one event after this long.")
+
+    @field_validator("renotify_every_s", "timeout_s", "retry_initial_s", "retry_max_s",
+                     "give_up_after_s", mode="before")
+    @classmethod
+    def _durations(cls, v: Any) -> Any:
+        # The same durations as the rest of the config: seconds, or "30s", "5m", "1h30m".
+        return v if v is None else parse_duration(v)
     queue_size: int = Field(1000, ge=1, le=1_000_000)
 
     @field_validator("kinds")
