@@ -296,7 +296,32 @@ def load_config(path: str | os.PathLike[str], *, check_permissions: bool = True)
         source = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"{display}: cannot read: {e}") from None
-    return parse_config(source, display, base=p.resolve().parent, path=p.resolve())
+    cfg = parse_config(source, display, base=p.resolve().parent, path=p.resolve())
+    if check_permissions:
+        _check_rule_permissions(cfg, display)
+    return cfg
+
+
+def _check_rule_permissions(cfg: "Config", display: str) -> None:
+    """Rules decide when a root daemon kills and restarts a job: a rule file (or a rule
+    directory, where anyone could add a file) that anyone may write is refused like the config."""
+    paths = list(cfg.daemon.rules)
+    for j in cfg.job:
+        paths.extend(j.rules)
+    for p in dict.fromkeys(paths):
+        candidates = [Path(p)]
+        if Path(p).is_dir():
+            candidates.extend(sorted(Path(p).glob("*.toml")))
+        for c in candidates:
+            try:
+                st = c.stat()
+            except OSError:
+                continue  # a missing rule file is reported by the rule loader, with its name
+            if st.st_mode & stat.S_IWOTH:  # a sticky directory still lets anyone add a file
+                what = "rule directory" if stat.S_ISDIR(st.st_mode) else "rule file"
+                raise UsageError(f"{display}: {what} {c} is world-writable (mode "
+                                 f"{stat.S_IMODE(st.st_mode):04o}); rules decide when stallwatch "
+                                 f"kills and restarts a job, so it is refused: chmod o-w {c}")
 
 
 def parse_config(source: str, display: str = "<config>", *, base: Path | None = None,

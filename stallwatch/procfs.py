@@ -239,7 +239,10 @@ def parse_sched_exec_start_s(text: str) -> float | None:
 
 
 def parse_uptime_s(text: str) -> float:
-    return float(text.split()[0])
+    parts = text.split()
+    if not parts:
+        raise ValueError("empty uptime")
+    return float(parts[0])
 
 
 def parse_fdinfo(text: str) -> tuple[int | None, int | None]:

@@ -27,6 +27,7 @@ Tables (schema version 1):
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import stat
@@ -39,6 +40,12 @@ from stallwatch.errors import UsageError
 
 DB_NAME = "stallwatch.db"
 SCHEMA_VERSION = 1
+
+log = logging.getLogger("stallwatch.state")
+
+# A write that fails with one of these is the file's trouble, not the statement's: the disk is
+# full, another process holds the write lock, the filesystem went read-only or failed.
+_DEGRADING = ("full", "locked", "busy", "disk i/o", "readonly", "read-only", "unable to open")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (
@@ -120,6 +127,107 @@ CREATE TABLE IF NOT EXISTS alert_events (
 """
 
 
+def _degrading(e: BaseException) -> bool:
+    return isinstance(e, sqlite3.OperationalError) and any(w in str(e).lower() for w in _DEGRADING)
+
+
+class _Conn:
+    """The database connection, with a way out when the file cannot be written.
+
+    A watchdog must keep watching when its own state cannot be saved (a full disk, a lock held by
+    another process, a filesystem gone read-only). On the first write that fails for such a
+    reason, the committed state is copied into an in-memory database, the transaction under way
+    is replayed there, and the daemon goes on from memory (`degraded` says why). `write_back`
+    copies the memory back to the file once it can be written, and the file is used again.
+    """
+
+    def __init__(self, file_conn: sqlite3.Connection) -> None:
+        self.file = file_conn
+        self.active = file_conn
+        self.mem: sqlite3.Connection | None = None
+        self.degraded: str | None = None
+        self.degraded_at: float | None = None
+        self._stmts: list[tuple[str, tuple]] | None = None  # the current transaction's writes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.active, name)
+
+    def execute(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
+        head = sql.lstrip()[:8].upper()
+        try:
+            cur = self.active.execute(sql, args)
+        except sqlite3.OperationalError as e:
+            if self.active is not self.file or not _degrading(e):
+                raise
+            self.degrade(e)
+            if not head.startswith("BEGIN") and self._stmts is not None:
+                self.active.execute("BEGIN IMMEDIATE")
+                for s, a in self._stmts:
+                    self.active.execute(s, a)
+            cur = self.active.execute(sql, args)
+        if head.startswith("BEGIN"):
+            self._stmts = []
+        elif head.startswith(("COMMIT", "ROLLBACK")):
+            self._stmts = None
+        elif self._stmts is not None and not head.startswith("SELECT"):
+            self._stmts.append((sql, tuple(args)))
+        return cur
+
+    def degrade(self, e: BaseException) -> None:
+        """Go on from an in-memory copy of what the file holds (committed transactions only)."""
+        try:
+            if self.file.in_transaction:
+                self.file.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
+        mem = sqlite3.connect(":memory:", isolation_level=None)
+        try:
+            self.file.backup(mem)
+        except sqlite3.Error:
+            mem.close()
+            raise e from None
+        mem.execute("PRAGMA foreign_keys=ON")
+        self.mem, self.active = mem, mem
+        self.degraded, self.degraded_at = f"{type(e).__name__}: {e}", time.time()
+        log.error("state database cannot be written (%s): the state is kept in memory and the "
+                  "watch goes on; it is written back when the file can be written again "
+                  "(a daemon restart before then loses what happened since)", self.degraded)
+
+    def write_back(self) -> bool:
+        """Copy the in-memory state to the file; True when the file is in use again."""
+        if self.mem is None:
+            return True
+        if self.mem.in_transaction:
+            return False
+        # sqlite3's backup() waits as long as another process holds the lock: ask first, without
+        # waiting, so a tick never blocks on it.
+        try:
+            timeout = self.file.execute("PRAGMA busy_timeout").fetchone()[0]
+            self.file.execute("PRAGMA busy_timeout=0")
+            try:
+                self.file.execute("BEGIN IMMEDIATE")
+                self.file.execute("ROLLBACK")
+            finally:
+                self.file.execute(f"PRAGMA busy_timeout={int(timeout)}")
+            self.mem.backup(self.file)
+        except sqlite3.Error as e:
+            log.debug("state database still cannot be written: %s", e)
+            return False
+        since = time.time() - (self.degraded_at or time.time())
+        log.warning("state database writable again: %.0f s of state kept in memory written back "
+                    "(it was: %s)", since, self.degraded)
+        self.mem.close()
+        self.mem, self.active, self.degraded, self.degraded_at = None, self.file, None, None
+        return True
+
+    def close(self) -> None:
+        if self.mem is not None:
+            self.write_back()
+        if self.mem is not None:
+            self.mem.close()
+        self.file.close()
+
+
 def _row(cur: sqlite3.Cursor, row: tuple) -> dict[str, Any]:
     return {d[0]: v for d, v in zip(cur.description, row)}
 
@@ -128,7 +236,7 @@ class StateDB:
     """One connection, used from one thread (the daemon's loop, or `status`)."""
 
     def __init__(self, conn: sqlite3.Connection, path: Path, clock=time) -> None:
-        self.conn = conn
+        self.conn = conn if isinstance(conn, _Conn) else _Conn(conn)
         self.path = path
         self._clock = clock
         self._depth = 0
@@ -136,34 +244,74 @@ class StateDB:
     # ------------------------------------------------------------------------------ opening
 
     @classmethod
-    def open(cls, state_dir: str | os.PathLike[str], *, clock=time) -> "StateDB":
-        """Create the state dir (0700) and the database (0600) if needed; migrate; WAL."""
+    def open(cls, state_dir: str | os.PathLike[str], *, clock=time,
+             busy_timeout_s: float = 10.0) -> "StateDB":
+        """Create the state dir (0700) and the database (0600) if needed; migrate; WAL.
+
+        A database that is not one (garbage bytes, a failed integrity check) is set aside as
+        `stallwatch.db.corrupt-<time>` and a fresh one is started: the watch goes on, and the
+        meta row `state_reset` says what happened. A file that cannot be written (full disk,
+        locked by another process) is used from an in-memory copy (see `_Conn`).
+        """
         d = Path(state_dir)
         try:
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
             st = d.stat()
             if stat.S_IMODE(st.st_mode) & 0o077 and st.st_uid == os.geteuid():
                 os.chmod(d, 0o700)
+                st = d.stat()
         except OSError as e:
             raise UsageError(f"state_dir {d}: cannot create or use it: {e.strerror or e}") from None
+        if stat.S_IMODE(st.st_mode) & 0o022 or st.st_uid not in (os.geteuid(), 0):
+            # Whoever can write here can plant a database naming processes for the daemon to
+            # signal, or status files it trusts: refused, not used.
+            raise UsageError(f"state_dir {d}: owned by uid {st.st_uid} with mode "
+                             f"{stat.S_IMODE(st.st_mode):04o}; it must be ours and writable by "
+                             f"nobody else (chown it, chmod 0700)")
         path = d / DB_NAME
-        old_umask = os.umask(0o077)
         try:
-            conn = sqlite3.connect(path, timeout=10.0, isolation_level=None)
-        except sqlite3.Error as e:
-            raise UsageError(f"{path}: cannot open the state database: {e}") from None
-        finally:
-            os.umask(old_umask)
-        try:
-            os.chmod(path, 0o600)
-        except OSError:
-            pass
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
-        conn.execute("PRAGMA busy_timeout=10000")
-        conn.execute("PRAGMA foreign_keys=ON")
+            pst = path.lstat()
+        except FileNotFoundError:
+            pst = None
+        if pst is not None and (not stat.S_ISREG(pst.st_mode) or pst.st_uid not in (os.geteuid(), 0)):
+            raise UsageError(f"{path}: not a regular file of ours (uid {pst.st_uid}): refused")
+        reset: str | None = None
+        for attempt in (1, 2):
+            conn = cls._connect(path, busy_timeout_s)
+            try:
+                cls._check(conn)
+                break
+            except sqlite3.OperationalError as e:
+                if not _degrading(e):
+                    conn.close()
+                    raise UsageError(f"{path}: cannot use the state database: {e}") from None
+                break  # usable for reading; the writes below go to memory
+            except sqlite3.DatabaseError as e:
+                conn.close()
+                if attempt == 2:
+                    raise UsageError(f"{path}: cannot use the state database: {e}") from None
+                aside = path.with_name(f"{DB_NAME}.corrupt-{int(time.time())}")
+                for suffix in ("", "-wal", "-shm"):
+                    try:
+                        os.replace(str(path) + suffix, str(aside) + suffix)
+                    except FileNotFoundError:
+                        pass
+                    except OSError as oe:
+                        raise UsageError(f"{path}: corrupt ({e}), and it cannot be set aside: "
+                                         f"{oe.strerror or oe}") from None
+                reset = f"{path} was corrupt ({e}): set aside as {aside}; started afresh"
+                log.error("state database %s", reset)
         db = cls(conn, path, clock)
-        conn.executescript(_SCHEMA)
+        try:
+            db.conn.executescript(_SCHEMA)
+        except sqlite3.OperationalError as e:
+            if not _degrading(e):
+                raise UsageError(f"{path}: cannot use the state database: {e}") from None
+            try:
+                db.conn.degrade(e)
+            except sqlite3.Error as e2:
+                raise UsageError(f"{path}: cannot use the state database: {e2}") from None
+            db.conn.active.executescript(_SCHEMA)
         for suffix in ("-wal", "-shm"):
             try:
                 os.chmod(str(path) + suffix, 0o600)
@@ -176,7 +324,35 @@ class StateDB:
             elif int(v) > SCHEMA_VERSION:
                 raise UsageError(f"{path}: written by a newer stallwatch (schema {v}); "
                                  f"this one knows {SCHEMA_VERSION}")
+            if reset:
+                db.set_meta("state_reset", f"{time.time():.3f} {reset}")
         return db
+
+    @staticmethod
+    def _connect(path: Path, busy_timeout_s: float) -> sqlite3.Connection:
+        old_umask = os.umask(0o077)
+        try:
+            conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None)
+        except sqlite3.Error as e:
+            raise UsageError(f"{path}: cannot open the state database: {e}") from None
+        finally:
+            os.umask(old_umask)
+        try:
+            os.chmod(path, 0o600)
+        except OSError:
+            pass
+        conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
+        return conn
+
+    @staticmethod
+    def _check(conn: sqlite3.Connection) -> None:
+        """Raises DatabaseError for a file that is not a sound database."""
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA foreign_keys=ON")
+        row = conn.execute("PRAGMA quick_check").fetchone()
+        if not row or row[0] != "ok":
+            raise sqlite3.DatabaseError(f"integrity check failed: {row[0] if row else '?'}")
 
     @classmethod
     def open_readonly(cls, state_dir: str | os.PathLike[str]) -> "StateDB":
@@ -197,6 +373,15 @@ class StateDB:
     def close(self) -> None:
         self.conn.close()
 
+    @property
+    def degraded(self) -> str | None:
+        """Why the state is kept in memory (the file cannot be written), or None."""
+        return self.conn.degraded
+
+    def write_back(self) -> bool:
+        """Try to write the in-memory state back to the file; True when the file is in use."""
+        return self.conn.write_back()
+
     # --------------------------------------------------------------------------- transactions
 
     @contextmanager
@@ -215,10 +400,21 @@ class StateDB:
             yield self.conn
         except BaseException:
             self._depth = 0
-            self.conn.execute("ROLLBACK")
+            self._rollback()
             raise
         self._depth = 0
-        self.conn.execute("COMMIT")
+        try:
+            self.conn.execute("COMMIT")
+        except BaseException:
+            self._rollback()  # never leave a transaction open: every later BEGIN would fail
+            raise
+
+    def _rollback(self) -> None:
+        try:
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
 
     def _q(self, sql: str, args: tuple = ()) -> list[dict[str, Any]]:
         cur = self.conn.execute(sql, args)

@@ -206,6 +206,8 @@ class JobRunner:
             target = self._target(())
             self.collector.target = target
             self.collector.processes = ProcessesProbe(target, clock=self.clock)
+            if self.collector.log is not None:
+                self.collector.log.new_run()
 
     def close(self) -> None:
         if self.collector is not None:
@@ -230,11 +232,57 @@ class JobRunner:
         self._ensure_collector()
         if self.cfg.supervised:
             reconcile_intents(self.db, self.name)
+            if self.db.latest_run(self.name) is None:
+                self._adopt_orphan()
+            # Read the row again: reconciling may have completed a restart the previous daemon
+            # made (phase starting, no recovery in progress). Going on from the stale row would
+            # resume that recovery and kill the freshly restarted run: a double restart.
+            before, row = row, self.db.job(self.name)
+            self.phase = row["phase"]
+            done = before["recovery_incident"]
+            if done and row["recovery_incident"] is None and row["phase"] == "starting":
+                self.resolve_by_restart(done, int(row["restarts"]))
             self._start_supervised(row)
         elif self.cfg.pid_file is not None:
             self.set_phase("attached", "attached by pid_file: never restarted by stallwatch")
         else:
             self.set_phase("attached", "attached by match: never restarted by stallwatch")
+
+    def _adopt_orphan(self) -> None:
+        """No run on record (a fresh or reset state database), yet the wrappers' status files
+        may name a run of this job that is still alive: adopt it rather than start a second
+        copy beside it, and never reuse the number of a status file that exists."""
+        prefix = f"{self.name}-"
+        found: list[tuple[int, Path]] = []
+        try:
+            entries = list(self._runs_dir().iterdir())
+        except OSError:
+            return
+        for f in entries:
+            if f.suffix == ".json" and f.stem.startswith(prefix) and f.stem[len(prefix):].isdigit():
+                found.append((int(f.stem[len(prefix):]), f))
+        if not found:
+            return
+        found.sort()
+        self.db.update_job(self.name, starts=max(int(self.db.job(self.name)["starts"]),
+                                                 found[-1][0]))
+        for seq, f in reversed(found):
+            doc = read_status(f) or {}
+            alive = identity_alive(doc.get("pid"), doc.get("start_ticks"))
+            wrapper = identity_alive(doc.get("wrapper_pid"), doc.get("wrapper_start_ticks"))
+            if doc.get("state") == "exited" or not (alive or wrapper):
+                continue
+            with self.db.tx():
+                self.db.add_run(self.name, seq, "setsid", status_file=str(f),
+                                pid=doc.get("pid"), start_ticks=doc.get("start_ticks"),
+                                pgid=doc.get("pgid"), wrapper_pid=doc.get("wrapper_pid"),
+                                wrapper_start_ticks=doc.get("wrapper_start_ticks"))
+                self.db.update_job(self.name, phase="running", phase_detail=f"adopted run {seq}")
+                self.db.add_action(self.name, "adopt", f"run {seq} (pid {doc.get('pid')}) found "
+                                   "alive from its status file: adopted, not started again")
+            log.warning("job %s: no run on record, but run %d (pid %s) is alive: adopted, not "
+                        "started again", self.name, seq, doc.get("pid"))
+            return
 
     def _afresh(self, phase: str, old_json: str | None) -> bool:
         """Is a finished or stopped job to be started again? Only when its config changed: a
@@ -276,6 +324,8 @@ class JobRunner:
                          pid, ticks, run["seq"])
                 self.set_target(pid, ticks)
                 self.db.add_action(self.name, "reattach", f"re-attached to pid {pid}")
+                if self.phase == "starting":  # a spawn completed on start-up: it runs
+                    self.set_phase("running", f"pid {pid}", pid=pid, start_ticks=ticks)
             else:
                 st = proc_state(pid)
                 if st is not None:
@@ -555,12 +605,17 @@ class JobRunner:
         firing = {a.kind for a in ev.alerts if a.state == AlertState.FIRING and not a.warning}
         if self.synthetic is not None:
             firing.add(self.synthetic.kind)
+        # A rule whose condition holds but whose `for` has not elapsed again (pending) is no
+        # evidence that the problem is gone: after a daemon restart every rule starts over as
+        # pending, and resolving then re-firing the same incident would alert twice.
+        holding = firing | {a.kind for a in ev.alerts
+                            if a.state == AlertState.PENDING and not a.warning}
         if (kind in PROBLEM_KINDS and kind not in self.incidents and self.recovery is None
                 and (self.phase != "starting" or self.synthetic is not None)
                 and not (kind in STALL_KINDS and self._in_startup_grace(v))):
             self._open_incident(kind, verdict, snap, ev, v)
         for k, inc in list(self.incidents.items()):
-            if k in firing:
+            if k in holding:
                 continue
             if self.recovery is not None and self.recovery.incident_id == inc["id"]:
                 continue
