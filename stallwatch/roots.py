@@ -12,6 +12,7 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 
 class Absent(Exception):
@@ -38,44 +39,71 @@ class Roots:
         d = self.proc / str(pid)
         return d if tid is None else d / "task" / str(tid)
 
-    def read_bytes(self, path: Path, limit: int = 1 << 20) -> bytes:
-        """Read at most `limit` bytes; map errno to Absent/Denied so callers can report state."""
-        with _mapped_errors(path):
-            with open(path, "rb", buffering=0) as f:
-                # One read(2) of a multi-record seq file (/proc/net/tcp, mountinfo, diskstats)
-                # returns about one page, not the whole file: read until EOF or the limit.
-                chunks, size = [], 0
-                while size < limit:
-                    chunk = f.read(limit - size)
-                    if not chunk:
-                        break
-                    chunks.append(chunk)
-                    size += len(chunk)
-                return b"".join(chunks)
+    # These run thousands of times a tick: plain os calls and try/except, no file objects or
+    # context managers (bench/: docs/performance.md). `path` may be a str or a Path.
 
-    def read_text(self, path: Path, limit: int = 1 << 20) -> str:
+    def read_bytes(self, path: Path | str, limit: int = 1 << 20) -> bytes:
+        """Read at most `limit` bytes; map errno to Absent/Denied so callers can report state."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            _raise_mapped(e, path)
+        try:
+            # One read(2) of a multi-record seq file (/proc/net/tcp, mountinfo, diskstats)
+            # returns about one page, not the whole file: read until EOF or the limit.
+            chunks, size = [], 0
+            while size < limit:
+                chunk = os.read(fd, min(limit - size, 1 << 16))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        except OSError as e:
+            _raise_mapped(e, path)
+        finally:
+            os.close(fd)
+
+    def read_text(self, path: Path | str, limit: int = 1 << 20) -> str:
         return self.read_bytes(path, limit).decode("utf-8", "replace")
 
-    def readlink(self, path: Path) -> str:
-        with _mapped_errors(path):
+    def readlink(self, path: Path | str) -> str:
+        try:
             return os.readlink(path)
+        except OSError as e:
+            _raise_mapped(e, path)
 
-    def listdir(self, path: Path) -> list[str]:
-        with _mapped_errors(path):
+    def listdir(self, path: Path | str) -> list[str]:
+        try:
             return os.listdir(path)
+        except OSError as e:
+            _raise_mapped(e, path)
+
+
+def _raise_mapped(e: OSError, path: Path | str) -> NoReturn:
+    m = _mapped(e, path)
+    if m is e:
+        raise e
+    raise m from e
+
+
+def _mapped(e: OSError, path: Path | str) -> Exception:
+    """The task died (ENOENT, ESRCH) → Absent; ptrace or mode checks (EACCES, EPERM) → Denied;
+    anything else is the OSError itself."""
+    if e.errno in (errno.ESRCH, errno.ENOENT):
+        return Absent(str(path))
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return Denied(str(path))
+    return e
 
 
 @contextmanager
-def _mapped_errors(path: Path):
-    """The task died (ENOENT, ESRCH) → Absent; ptrace or mode checks (EACCES, EPERM) → Denied."""
+def _mapped_errors(path: Path | str):
+    """The same mapping as a context manager, for callers outside the hot paths."""
     try:
         yield
     except OSError as e:
-        if e.errno in (errno.ESRCH, errno.ENOENT):
-            raise Absent(str(path)) from e
-        if e.errno in (errno.EACCES, errno.EPERM):
-            raise Denied(str(path)) from e
-        raise
+        _raise_mapped(e, path)
 
 
 DEFAULT_ROOTS = Roots()

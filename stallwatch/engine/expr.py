@@ -181,6 +181,17 @@ def _references(toks: list[_Tok]) -> list[Reference]:
 
 def normalise(value: Any) -> Any:
     """Ints become floats all the way down (see module docstring); containers become lists/dicts."""
+    # Exact types first: this runs over every variable every tick, and isinstance against the
+    # typing ABCs below is slow (bench/: docs/performance.md).
+    t = type(value)
+    if t is str or t is float or t is bool or value is None:
+        return value
+    if t is int:
+        return float(value)
+    if t is dict:
+        return {k: normalise(v) for k, v in value.items()}
+    if t is list or t is tuple:
+        return [normalise(v) for v in value]
     if isinstance(value, bool) or value is None or isinstance(value, (str, float, bytes)):
         return value
     if isinstance(value, int):

@@ -7,6 +7,7 @@ probe that fails or hangs becomes evidence and never a crash or a hung tick.
 
 from __future__ import annotations
 
+import queue
 import threading
 import traceback
 from concurrent.futures import Future
@@ -40,18 +41,87 @@ class Probe(Protocol):
     def collect(self) -> Any: ...
 
 
+class Worker:
+    """One long-lived daemon thread that runs the calls it is given, one after the other.
+
+    Starting a thread per call costs more than most probes' work (bench/: docs/performance.md),
+    so each probe keeps its worker between ticks. An idle worker ends after `idle_s`, so the
+    workers of a collector that is dropped do not outlive it for long. A worker stuck in a call
+    is never given another one: its owner sees the call's future not done and reports `busy`.
+    """
+
+    def __init__(self, name: str, idle_s: float = 60.0) -> None:
+        self.name, self.idle_s = name, idle_s
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._alive = True
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, fn) -> bool:
+        """Queue `fn`; False when this worker has ended (idle): make a new one."""
+        with self._lock:
+            if not self._alive:
+                return False
+            self._q.put(fn)
+            return True
+
+    def stop(self) -> None:
+        self.submit(None)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                fn = self._q.get(timeout=self.idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if self._q.empty():
+                        self._alive = False
+                        return
+                continue
+            if fn is None:
+                with self._lock:
+                    self._alive = False
+                return
+            fn()
+
+
+class Workers:
+    """Named workers, made on first use and again after one ends."""
+
+    def __init__(self, prefix: str = "", idle_s: float = 60.0) -> None:
+        self.prefix, self.idle_s = prefix, idle_s
+        self._workers: dict[str, Worker] = {}
+        self._lock = threading.Lock()
+
+    def submit(self, name: str, fn) -> None:
+        with self._lock:
+            w = self._workers.get(name)
+            if w is None or not w.submit(fn):
+                w = self._workers[name] = Worker(f"{self.prefix}{name}", self.idle_s)
+                w.submit(fn)
+
+    def retire(self, keep) -> None:
+        """Stop the workers whose name is not in `keep` (they finish their call first)."""
+        with self._lock:
+            gone = [self._workers.pop(n) for n in [n for n in self._workers if n not in keep]]
+        for w in gone:
+            w.stop()
+
+
 class DeadlineRunner:
     """Runs probe calls in daemon threads with a deadline.
 
     A thread stuck in the kernel (statvfs on a frozen filesystem, NVML in a wedged driver) cannot
     be cancelled. We abandon it, report `timeout`, and refuse to start a second call of the same
-    probe while the first is still stuck (`busy`), so stuck threads never pile up.
+    probe while the first is still stuck (`busy`), so stuck threads never pile up. Each probe's
+    thread is kept between ticks (Worker).
     """
 
     def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
         self._clock = clock
         self._inflight: dict[str, Future] = {}
         self._lock = threading.Lock()
+        self._workers = Workers("probe-")
 
     def stuck(self) -> list[str]:
         with self._lock:
@@ -107,7 +177,7 @@ class DeadlineRunner:
             except BaseException as e:  # noqa: BLE001 - every failure becomes a report
                 fut.set_exception(e)
 
-        threading.Thread(target=work, name=f"probe-{name}", daemon=True).start()
+        self._workers.submit(name, work)
         return fut
 
 

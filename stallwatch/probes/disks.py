@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import posixpath
-import threading
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Callable, Literal
@@ -22,11 +21,12 @@ from stallwatch.diskfs import (
     parse_diskstats, parse_mountinfo, path_in_filesystem,
 )
 from stallwatch.model import Frozen
-from stallwatch.probes.base import ProbeStatus
+from stallwatch.probes.base import ProbeStatus, Workers
 from stallwatch.roots import Absent, Denied, Roots
 
 SHM_PREFIXES = ("sgl_shm",)  # SGLang's leaked sgl_shm_mm_* segments filled /dev/shm (#40723)
 _SHM_LIST_LIMIT = 100_000  # a runaway leak must not turn one listing into a memory problem
+DEVICE_TTL_S = 60.0  # a mount's block device (loop backing file, dm name, slaves) is re-read this often
 
 
 class BlockDeviceIO(Frozen):
@@ -122,6 +122,12 @@ class DisksProbe:
         self.mountinfo_pid = mountinfo_pid
         self._statvfs = statvfs
         self._calls: dict[str, _Call] = {}
+        self._workers = Workers("statvfs:")  # one long-lived thread per path, not one per call
+        # mountinfo rarely changes: its parse, and the sysfs walk to each mount's block device,
+        # are reused while its text stays the same (the devices for at most DEVICE_TTL_S).
+        self._mi_text: str | None = None
+        self._mi_parsed: list[MountInfo] = []
+        self._devices: dict[MountInfo, tuple[BlockDeviceRef | None, float]] = {}
         self._prev: dict[str, tuple[DiskStat, float]] = {}
         self._stuck_since: dict[str, float] = {}
 
@@ -135,6 +141,7 @@ class DisksProbe:
             targets.append((self.dev_shm, "dev_shm"))
         # Start the filesystem calls first so their deadline overlaps the /proc work.
         calls = {p: self._start(p, kind == "dev_shm") for p, kind in targets}
+        self._workers.retire(calls)
 
         mounts, mountinfo_status = self._mountinfo(errors)
         stats, diskstats_status = self._diskstats(errors)
@@ -158,7 +165,10 @@ class DisksProbe:
         who = str(self.mountinfo_pid) if self.mountinfo_pid else "self"
         try:
             text = self.roots.read_text(self.roots.proc / who / "mountinfo", 16 << 20)
-            return parse_mountinfo(text), ProbeStatus.ok
+            if text != self._mi_text:
+                self._mi_text, self._mi_parsed = text, parse_mountinfo(text)
+                self._devices.clear()
+            return self._mi_parsed, ProbeStatus.ok
         except Absent as e:
             errors.append(f"mountinfo absent: {e}")
             return [], ProbeStatus.absent
@@ -191,6 +201,14 @@ class DisksProbe:
             self._stuck_since.pop(gone, None)
         return out
 
+    def _device_for(self, mount: MountInfo, now: float) -> BlockDeviceRef | None:
+        hit = self._devices.get(mount)
+        if hit is not None and now - hit[1] < DEVICE_TTL_S:
+            return hit[0]
+        device = device_for_mount(mount, self.roots)
+        self._devices[mount] = (device, now)
+        return device
+
     # -- filesystem calls (may hang) -----------------------------------------------------------
 
     def _start(self, path: str, is_shm: bool) -> _Call:
@@ -210,7 +228,7 @@ class DisksProbe:
                 call.future.set_result(facts)
 
         self._calls[path] = call
-        threading.Thread(target=work, name=f"statvfs:{path}", daemon=True).start()
+        self._workers.submit(path, work)
         return call
 
     def _inspect(self, path: str, is_shm: bool) -> _FsFacts:
@@ -253,7 +271,7 @@ class DisksProbe:
 
         resolved = facts.resolved if facts else path
         mount = mount_for_path(mounts, resolved)
-        device = device_for_mount(mount, self.roots) if mount else None
+        device = self._device_for(mount, now) if mount else None
         where = _describe(mount, device)
         if status in (ProbeStatus.timeout, ProbeStatus.busy):
             detail = (f"statvfs on {path} did not return in {self.statvfs_deadline_s:g} s{where}"

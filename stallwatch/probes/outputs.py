@@ -10,8 +10,9 @@ Reconciliation is incremental. A directory whose mtime has not changed since we 
 has the same names, so its cached listing is reused (unless its mtime was within RACY_NS of the
 listing itself: a later change in the same timestamp tick would leave mtime unchanged, the "racy
 git" problem). Sizes of files written in place do not touch the directory's mtime, so recently
-changed files ("hot", a bounded set) are re-stat'ed every tick, and every `full_every`-th
-reconciliation re-stats everything, which also catches an old file rewritten in place.
+changed files ("hot", a bounded set) are re-stat'ed every tick, and each reconciliation re-lists
+and re-stats a rotating share of the directories, all of them over `full_every` reconciliations,
+which also catches an old file rewritten in place (in slices, so 10^6 files cost no 3 s tick).
 
 Not thread-safe: the collector's DeadlineRunner never overlaps two calls; only the event queue is
 shared with the watchdog thread, under a lock.
@@ -27,6 +28,7 @@ import re
 import stat
 import threading
 import time
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -37,6 +39,8 @@ from stallwatch.model import Frozen
 from stallwatch.roots import DEFAULT_ROOTS, Roots
 
 RACY_NS = 2_000_000_000  # FAT has 2 s mtimes; ext4/xfs are finer, NFS depends on the server
+HOT_FRESH_S = 10.0  # a hot file changed this recently is re-stat'ed every tick ...
+HOT_SLOW_EVERY_S = 5.0  # ... an older hot file this often
 MAX_PENDING = 200_000  # queued event paths; past this we drop them and reconcile instead
 NETWORK_FS = {
     "nfs", "nfs4", "cifs", "smb3", "smbfs", "ncpfs", "afs", "9p", "lustre", "gpfs", "beegfs",
@@ -212,6 +216,7 @@ class OutputsProbe:
         self._newest_stale = False
         self._recent: OrderedDict[str, None] = OrderedDict()
         self._hot: OrderedDict[str, float] = OrderedDict()
+        self._hot_checked: dict[str, float] = {}  # hot file -> when last re-stat'ed
         self._initial = True  # the next reconciliation learns history: no "changes", no "new"
 
     def _dir(self, rel: str) -> _Dir:
@@ -248,7 +253,7 @@ class OutputsProbe:
         self._hot[rel] = now
         self._hot.move_to_end(rel)
         while len(self._hot) > self.max_hot:
-            self._hot.popitem(last=False)
+            self._hot_checked.pop(self._hot.popitem(last=False)[0], None)
 
     def _drop(self, dirrel: str, name: str, now: float) -> bool:
         d = self._dirs.get(dirrel)
@@ -260,6 +265,7 @@ class OutputsProbe:
         self._bytes -= old[0]
         self._recent.pop(rel, None)
         self._hot.pop(rel, None)
+        self._hot_checked.pop(rel, None)
         if self._newest and self._newest[1] == rel:
             self._newest_stale = True
         self._last_change = now
@@ -280,8 +286,10 @@ class OutputsProbe:
 
     # -- reconciliation
 
-    def _walk(self, start: str, now: float, full: bool, seen: set[str]) -> int:
-        """Bring the index under `start` in line with the disk; returns the differences found."""
+    def _walk(self, start: str, now: float, full: bool, seen: set[str], phase: int | None = None) -> int:
+        """Bring the index under `start` in line with the disk; returns the differences found.
+
+        full: re-list and re-stat everything; phase: only the directories in that slice."""
         changes = 0
         stack = [start]
         while stack:
@@ -295,7 +303,8 @@ class OutputsProbe:
                 continue
             seen.add(rel)
             d = self._dirs.get(rel)
-            if d is not None and not full and d.mtime_ns == st.st_mtime_ns and d.listed_ns - d.mtime_ns > RACY_NS:
+            dfull = full or (phase is not None and zlib.crc32(rel.encode()) % self.full_every == phase)
+            if d is not None and not dfull and d.mtime_ns == st.st_mtime_ns and d.listed_ns - d.mtime_ns > RACY_NS:
                 stack.extend(_join(rel, s) for s in d.subdirs)
                 continue
             listed_ns = time.time_ns()  # compared with filesystem mtimes, so real wall time
@@ -324,7 +333,7 @@ class OutputsProbe:
                     continue
                 names.add(e.name)
                 frel = _join(rel, e.name)
-                if not full and e.name in d.files and frel not in self._hot:
+                if not dfull and e.name in d.files and frel not in self._hot:
                     continue  # a cold file under the same name: its cached stat stands
                 try:
                     fst = e.stat(follow_symlinks=False)
@@ -341,11 +350,11 @@ class OutputsProbe:
             stack.extend(_join(rel, s) for s in subdirs)
         return changes
 
-    def _reconcile(self, now: float, full: bool) -> None:
+    def _reconcile(self, now: float, full: bool, phase: int | None = None) -> None:
         t0 = time.perf_counter()  # a cost, not a point on the job's timeline: real time
         self._unreadable = 0
         seen: set[str] = set()
-        changes = self._walk("", now, full, seen)
+        changes = self._walk("", now, full, seen, phase)
         for rel in [k for k in self._dirs if k not in seen]:
             if rel in self._dirs:
                 changes += self._drop_dir(rel, now)
@@ -412,10 +421,18 @@ class OutputsProbe:
                 self._put(dirrel, name, st.st_size, st.st_mtime_ns, now)
 
     def _restat_hot(self, now: float) -> None:
+        # A file that changed within HOT_FRESH_S is re-stat'ed every tick; one that has been
+        # still for longer, every HOT_SLOW_EVERY_S: a job writing 5 files a second keeps ~300
+        # files hot, and stat'ing all of them every tick was most of this probe's cost.
+        checked = self._hot_checked
         for rel, t in list(self._hot.items()):
             if now - t > self.hot_window_s:
                 del self._hot[rel]
+                checked.pop(rel, None)
                 continue
+            if now - t >= HOT_FRESH_S and now - checked.get(rel, t) < HOT_SLOW_EVERY_S:
+                continue
+            checked[rel] = now
             dirrel, name = _split(rel)
             try:
                 st = os.lstat(os.path.join(self._base, rel))
@@ -445,7 +462,7 @@ class OutputsProbe:
         self._stop_watch()
         from watchdog.events import (
             DirCreatedEvent, DirDeletedEvent, DirMovedEvent, FileClosedEvent, FileCreatedEvent,
-            FileDeletedEvent, FileModifiedEvent, FileMovedEvent, FileSystemEventHandler,
+            FileDeletedEvent, FileMovedEvent, FileSystemEventHandler,
         )
         from watchdog.observers import Observer
 
@@ -456,8 +473,12 @@ class OutputsProbe:
                 probe._enqueue(os.fsdecode(event.src_path), os.fsdecode(getattr(event, "dest_path", "") or ""))
 
         # Directory "modified" events come with every file created in them: leave them out.
+        # File "modified" (IN_MODIFY, one per write(2), and IN_ATTRIB) too: each event wakes
+        # watchdog's three threads, and a file's writes are seen anyway — re-stat'ed every tick
+        # while hot (from its creation on, for as long as it keeps changing), at its close
+        # (IN_CLOSE_WRITE), or by the periodic reconciliation (bench/: docs/performance.md).
         kinds = [
-            FileCreatedEvent, FileModifiedEvent, FileDeletedEvent, FileMovedEvent, FileClosedEvent,
+            FileCreatedEvent, FileDeletedEvent, FileMovedEvent, FileClosedEvent,
             DirCreatedEvent, DirDeletedEvent, DirMovedEvent,
         ]
         _install_overflow_hint()
@@ -526,7 +547,7 @@ class OutputsProbe:
         self._overflows += lost
         due = self._initial or lost or restarted or self._last_reconcile is None or now - self._last_reconcile >= period
         if due:
-            self._reconcile(now, full=self._initial or self._reconciles % self.full_every == 0)
+            self._reconcile(now, full=self._initial, phase=self._reconciles % self.full_every)
         self._apply_events(now)
         self._restat_hot(now)
         return self._obs(now, OutputsStatus.ok, None)

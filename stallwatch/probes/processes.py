@@ -256,6 +256,10 @@ class ProcessesProbe:
         shell that runs us has the pattern in its command line too); it defaults to our own pid
         when reading the real /proc."""
         self.roots, self.clock = roots, clock
+        # Paths are built as strings: this probe opens thousands of /proc files a tick and
+        # pathlib's joins cost more than the reads (bench/: docs/performance.md).
+        self._proc = os.fspath(roots.proc)
+        self._stat_cache: dict[str, tuple[str, procfs.Stat]] = {}
         self.max_open_files, self.read_stacks = max_open_files, read_stacks
         self.max_threads, self.max_fds_scanned = max_threads, max_fds_scanned
         self.exit_memory_s, self.max_exits = exit_memory_s, max_exits
@@ -342,15 +346,26 @@ class ProcessesProbe:
 
     # --------------------------------------------------------------------- targets and the tree
 
+    def _pd(self, pid: int, tid: int | None = None) -> str:
+        """roots.pid_dir() as a string."""
+        return f"{self._proc}/{pid}" if tid is None else f"{self._proc}/{pid}/task/{tid}"
+
     def _scan(self) -> dict[int, procfs.Stat]:
         stats = {}
+        proc = self._proc
+        # Most processes on a host sleep: their stat line is the same as a tick ago, and its
+        # parse is reused (the read is not: it is how we know).
+        cache, self._stat_cache = self._stat_cache, {}
         for name in self.roots.listdir(self.roots.proc):
             if name.isdigit():
                 try:
-                    text = self.roots.read_text(self.roots.proc / name / "stat")
-                    stats[int(name)] = procfs.parse_stat(text)
+                    text = self.roots.read_text(f"{proc}/{name}/stat")
                 except (Absent, Denied):
                     continue  # exited since the listing, or hidden from us (hidepid)
+                hit = cache.get(name)
+                st = hit[1] if hit is not None and hit[0] == text else procfs.parse_stat(text)
+                self._stat_cache[name] = (text, st)
+                stats[int(name)] = st
         return stats
 
     def _resolve(self, stats: dict[int, procfs.Stat]) -> list[tuple[int, int]]:
@@ -410,7 +425,7 @@ class ProcessesProbe:
         argv = self._cmdlines.get(key)
         if argv is None:
             try:
-                raw = self.roots.read_bytes(self.roots.pid_dir(pid) / "cmdline")
+                raw = self.roots.read_bytes(f"{self._pd(pid)}/cmdline")
                 argv = procfs.parse_cmdline(raw)
             except (Absent, Denied):
                 argv = ()
@@ -425,7 +440,7 @@ class ProcessesProbe:
             self._btime = procfs.parse_btime(self.roots.read_text(self.roots.proc / "stat"))
         return self._btime + start_ticks / self._tck
 
-    def _optional(self, path: Path, parse: Callable[[str], T], signal: str,
+    def _optional(self, path: str | Path, parse: Callable[[str], T], signal: str,
                   tick: _Tick) -> T | None:
         """A read whose failure is a value: Absent (task gone, feature missing) or Denied."""
         try:
@@ -447,9 +462,9 @@ class ProcessesProbe:
         return tr, interval, cpu_delta
 
     def _process(self, st: procfs.Stat, role: Role, tick: _Tick) -> ProcessObs | None:
-        pid, now, d = st.pid, tick.now, self.roots.pid_dir(st.pid)
+        pid, now, d = st.pid, tick.now, self._pd(st.pid)
         try:
-            tids = sorted(int(t) for t in self.roots.listdir(d / "task") if t.isdigit())
+            tids = sorted(int(t) for t in self.roots.listdir(f"{d}/task") if t.isdigit())
         except (Absent, Denied):
             return None
         fds = self._fds(pid, tick)
@@ -458,9 +473,9 @@ class ProcessesProbe:
         if not threads:
             return None
         leader = next((t for t in threads if t.tid == pid), None)
-        status = self._optional(d / "status", procfs.parse_status, "status", tick)
-        io = self._optional(d / "io", procfs.parse_io, "io", tick)
-        cwd = self._link(d / "cwd", "cwd", tick)
+        status = self._optional(f"{d}/status", procfs.parse_status, "status", tick)
+        io = self._optional(f"{d}/io", procfs.parse_io, "io", tick)
+        cwd = self._link(f"{d}/cwd", "cwd", tick)
 
         ctx_v = sum(t.voluntary_ctxt_switches for t in threads)
         ctx_n = sum(t.nonvoluntary_ctxt_switches for t in threads)
@@ -506,10 +521,10 @@ class ProcessesProbe:
 
     def _thread(self, pid: int, tid: int, fds: dict[int, str] | None,
                 tick: _Tick) -> ThreadObs | None:
-        d, now = self.roots.pid_dir(pid, tid), tick.now
+        d, now = self._pd(pid, tid), tick.now
         try:
-            st = procfs.parse_stat(self.roots.read_text(d / "stat"))
-            status = procfs.parse_status(self.roots.read_text(d / "status"))
+            st = procfs.parse_stat(self.roots.read_text(f"{d}/stat"))
+            status = procfs.parse_status(self.roots.read_text(f"{d}/status"))
         except (Absent, Denied):  # gone since the listing, or hidden by hidepid
             return None
         ctx = status.voluntary_ctxt_switches + status.nonvoluntary_ctxt_switches
@@ -518,10 +533,10 @@ class ProcessesProbe:
         # A running task has no wait channel or stable syscall, and unwinding its stack races
         # with the CPU it runs on: read those only for tasks that are off-CPU.
         blocked = st.state not in ("R", "Z", "X")
-        wchan = self._optional(d / "wchan", procfs.parse_wchan, "wchan", tick) if blocked else None
-        sc = self._optional(d / "syscall", lambda s: procfs.parse_syscall(s, self._syscalls),
+        wchan = self._optional(f"{d}/wchan", procfs.parse_wchan, "wchan", tick) if blocked else None
+        sc = self._optional(f"{d}/syscall", lambda s: procfs.parse_syscall(s, self._syscalls),
                             "syscall", tick) if blocked else None
-        stack = (self._optional(d / "stack", procfs.parse_stack, "stack", tick)
+        stack = (self._optional(f"{d}/stack", procfs.parse_stack, "stack", tick)
                  if blocked and self.read_stacks else None)
         last_ran = 0.0 if not blocked else self._last_ran_age(d, tick)
         sc_fd = sc.args[0] if sc and sc.name in FD_SYSCALLS and sc.args else None
@@ -541,18 +556,18 @@ class ProcessesProbe:
             stack=stack, last_ran_age_s=last_ran,
         )
 
-    def _last_ran_age(self, d: Path, tick: _Tick) -> float | None:
+    def _last_ran_age(self, d: str, tick: _Tick) -> float | None:
         if tick.uptime_s is None:
-            up = self._optional(self.roots.proc / "uptime", procfs.parse_uptime_s, "uptime", tick)
+            up = self._optional(f"{self._proc}/uptime", procfs.parse_uptime_s, "uptime", tick)
             tick.uptime_s = up if up is not None else -1.0
         if tick.uptime_s < 0:
             return None
-        start = self._optional(d / "sched", procfs.parse_sched_exec_start_s, "sched", tick)
+        start = self._optional(f"{d}/sched", procfs.parse_sched_exec_start_s, "sched", tick)
         return None if start is None else max(0.0, tick.uptime_s - start)
 
     # -------------------------------------------------------------------------- files, sockets
 
-    def _link(self, path: Path, signal: str, tick: _Tick) -> str | None:
+    def _link(self, path: str | Path, signal: str, tick: _Tick) -> str | None:
         try:
             return self.roots.readlink(path)
         except Absent:
@@ -563,13 +578,13 @@ class ProcessesProbe:
 
     def _fds(self, pid: int, tick: _Tick) -> dict[int, str] | None:
         """fd -> readlink target, for at most max_fds_scanned fds; None when unreadable."""
-        fd_dir = self.roots.pid_dir(pid) / "fd"
+        fd_dir = f"{self._pd(pid)}/fd"
         links = {}
         try:
             names = sorted(int(n) for n in self.roots.listdir(fd_dir) if n.isdigit())
             for fd in names[:self.max_fds_scanned]:
                 try:
-                    links[fd] = self.roots.readlink(fd_dir / str(fd))
+                    links[fd] = self.roots.readlink(f"{fd_dir}/{fd}")
                 except Absent:
                     continue  # closed since the listing
         except Absent:
@@ -594,7 +609,7 @@ class ProcessesProbe:
         for fd, path in others[:self.max_open_files]:
             write = pos = None
             if path.startswith("/") and not path.startswith("/dev/"):
-                info = self._optional(self.roots.pid_dir(pid) / "fdinfo" / str(fd),
+                info = self._optional(f"{self._pd(pid)}/fdinfo/{fd}",
                                       procfs.parse_fdinfo, "fdinfo", tick)
                 if info is not None:
                     pos, flags = info

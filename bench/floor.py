@@ -1,0 +1,315 @@
+#!/usr/bin/env python3
+"""The raw floor: a minimal loop that reads what one stallwatch tick reads, and nothing else.
+
+    python bench/floor.py --pid PID --log LOG --outputs DIR [--interval 1] [--duration S]
+
+Per tick, like stallwatch's probes (no GPU here, no server): every /proc/*/stat (to find the
+job's descendants), and for each process of the job's tree its task list, each thread's stat,
+status (and wchan, syscall, stack, sched when it is off-CPU), the process's status, io, cwd,
+fd table (readlink of each fd, fdinfo of regular files), socket tables when it holds sockets;
+/proc/uptime; the log's new bytes (open, fstat, pread from the remembered offset, close);
+/dev/kmsg's new records; mountinfo, diskstats, the sysfs entries of the watched paths' block
+devices, statvfs of each watched path and /dev/shm (and its listing); the outputs directory's
+inotify events, drained with one read(2) per tick (no thread). Only the parsing needed to walk
+the tree (ppid) and to follow the files is done: no models, no rules, no database.
+
+Standard library only; it must not import stallwatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import errno
+import os
+import struct
+import sys
+import time
+
+# inotify through libc: the cheapest possible watch (no thread, drained on the tick)
+IN_NONBLOCK = os.O_NONBLOCK
+IN_CLOEXEC = os.O_CLOEXEC
+IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = 0x2, 0x4, 0x8
+IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x40, 0x80, 0x100, 0x200
+IN_ISDIR, IN_Q_OVERFLOW = 0x40000000, 0x4000
+MASK = IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
+_EV = struct.Struct("iIII")
+
+
+class Inotify:
+    def __init__(self, root: str) -> None:
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = self.libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+        if self.fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1")
+        self.wd: dict[int, str] = {}
+        self.events = 0
+        for d, _, _ in os.walk(root):
+            self.watch(d)
+
+    def watch(self, path: str) -> None:
+        wd = self.libc.inotify_add_watch(self.fd, os.fsencode(path), MASK)
+        if wd >= 0:
+            self.wd[wd] = path
+
+    def drain(self) -> list[str]:
+        out: list[str] = []
+        while True:
+            try:
+                buf = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return out
+            i = 0
+            while i < len(buf):
+                wd, mask, _cookie, n = _EV.unpack_from(buf, i)
+                name = buf[i + 16:i + 16 + n].rstrip(b"\0").decode("utf-8", "replace")
+                i += 16 + n
+                self.events += 1
+                parent = self.wd.get(wd)
+                if parent is None:
+                    continue
+                path = f"{parent}/{name}"
+                if mask & IN_ISDIR and mask & (IN_CREATE | IN_MOVED_TO):
+                    self.watch(path)
+                out.append(path)
+
+
+def read(path: str, limit: int = 1 << 20) -> bytes | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        chunks, size = [], 0
+        while size < limit:
+            b = os.read(fd, limit - size)
+            if not b:
+                break
+            chunks.append(b)
+            size += len(b)
+        return b"".join(chunks)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def readlink(path: str) -> str | None:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return None
+
+
+def listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+class Floor:
+    def __init__(self, pid: int, log: str | None, outputs: str | None, paths: list[str]) -> None:
+        self.pid = pid
+        self.log, self.offset, self.ident = log, 0, None
+        self.outputs = Inotify(outputs) if outputs and os.path.isdir(outputs) else None
+        self.paths = paths
+        self.cmdlines: dict[tuple[int, bytes], bytes] = {}
+        self.kmsg = None
+        try:
+            self.kmsg = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            os.lseek(self.kmsg, 0, os.SEEK_END)
+        except OSError:
+            self.kmsg = None
+        self.bytes_read = 0
+
+    # -- processes
+    def tick_processes(self) -> set[str]:
+        children: dict[int, list[int]] = {}
+        starts: dict[int, bytes] = {}
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            b = read(f"/proc/{name}/stat")
+            if not b:
+                continue
+            rest = b[b.rfind(b")") + 2:].split()
+            children.setdefault(int(rest[1]), []).append(int(name))
+            starts[int(name)] = rest[19]
+        tree, todo = [], [self.pid]
+        while todo:
+            p = todo.pop(0)
+            if p in tree or p not in starts:
+                continue
+            tree.append(p)
+            todo += children.get(p, [])
+        write_dirs: set[str] = set()
+        uptime_read = False
+        for p in tree:
+            d = f"/proc/{p}"
+            tids = listdir(f"{d}/task")
+            fds = {}
+            for fd in listdir(f"{d}/fd")[:1024]:
+                link = readlink(f"{d}/fd/{fd}")
+                if link is not None:
+                    fds[fd] = link
+            for t in tids[:512]:
+                st = read(f"{d}/task/{t}/stat")
+                read(f"{d}/task/{t}/status")
+                if st is None:
+                    continue
+                state = st[st.rfind(b")") + 2:st.rfind(b")") + 3]
+                if state not in (b"R", b"Z", b"X"):
+                    read(f"{d}/task/{t}/wchan")
+                    read(f"{d}/task/{t}/syscall")
+                    read(f"{d}/task/{t}/stack")
+                    if not uptime_read:
+                        read("/proc/uptime")
+                        uptime_read = True
+                    read(f"{d}/task/{t}/sched")
+            read(f"{d}/status")
+            read(f"{d}/io")
+            cwd = readlink(f"{d}/cwd")
+            if cwd:
+                write_dirs.add(cwd)
+            key = (p, starts[p])
+            if key not in self.cmdlines:
+                self.cmdlines[key] = read(f"{d}/cmdline") or b""
+            if any(v.startswith("socket:[") for v in fds.values()):
+                readlink(f"{d}/ns/net")
+                read(f"{d}/net/tcp", 64 << 20)
+                read(f"{d}/net/tcp6", 64 << 20)
+            n = 0
+            for fd, link in fds.items():
+                if link.startswith("/") and not link.startswith("/dev/") and n < 64:
+                    n += 1
+                    info = read(f"{d}/fdinfo/{fd}")
+                    if info and b"flags:" in info:
+                        flags = int(info.split(b"flags:")[1].split()[0], 8)
+                        if flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR):
+                            write_dirs.add(os.path.dirname(link))
+        return write_dirs
+
+    # -- the log's new bytes
+    def tick_log(self) -> None:
+        if not self.log:
+            return
+        try:
+            fd = os.open(self.log, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            st = os.fstat(fd)
+            ident = (st.st_dev, st.st_ino)
+            if ident != self.ident or st.st_size < self.offset:
+                self.ident = ident
+                self.offset = max(0, st.st_size - (1 << 20)) if self.bytes_read == 0 else 0
+            budget = 8 << 20
+            while budget > 0 and self.offset < st.st_size:
+                data = os.pread(fd, min(1 << 20, budget), self.offset)
+                if not data:
+                    break
+                self.offset += len(data)
+                budget -= len(data)
+                self.bytes_read += len(data)
+                data.rfind(b"\r")  # where the newest bar starts: the least parsing there is
+        finally:
+            os.close(fd)
+
+    # -- kernel log
+    def tick_kmsg(self) -> None:
+        if self.kmsg is None:
+            return
+        while True:
+            try:
+                if not os.read(self.kmsg, 16384):
+                    return
+            except BlockingIOError:
+                return
+            except OSError as e:
+                if e.errno == errno.EPIPE:
+                    continue
+                return
+
+    # -- disks
+    def tick_disks(self, extra: set[str]) -> None:
+        mi = read("/proc/self/mountinfo", 16 << 20) or b""
+        read("/proc/diskstats", 16 << 20)
+        paths = list(dict.fromkeys(self.paths + sorted(extra)))[:16]
+        devs: set[str] = set()
+        mounts = [ln.split(b" - ")[0].split() for ln in mi.splitlines()]
+        for p in paths:
+            try:
+                os.statvfs(p)
+            except OSError:
+                pass
+            real = os.path.realpath(p).encode()
+            best = max((m for m in mounts if len(m) > 4 and (real == m[4] or real.startswith(m[4].rstrip(b"/") + b"/"))),
+                       key=lambda m: len(m[4]), default=None)
+            if best is not None:
+                devs.add(best[2].decode())
+        for mm in devs:
+            link = readlink(f"/sys/dev/block/{mm}")
+            if link and not mm.startswith("0:"):
+                dev_dir = os.path.normpath(os.path.join("/sys/dev/block", link))
+                read(f"{dev_dir}/partition", 8192)
+                read(f"{os.path.dirname(dev_dir)}/loop/backing_file", 8192)
+                read(f"{dev_dir}/dm/name", 8192)
+                listdir(f"{dev_dir}/slaves")
+        try:
+            os.statvfs("/dev/shm")
+            with os.scandir("/dev/shm") as it:
+                for _ in it:
+                    pass
+        except OSError:
+            pass
+
+    def tick(self) -> None:
+        extra = self.tick_processes()
+        self.tick_log()
+        if self.outputs is not None:
+            for path in self.outputs.drain():
+                try:
+                    os.lstat(path)
+                except OSError:
+                    pass
+        self.tick_kmsg()
+        self.tick_disks(extra)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pid", type=int, required=True)
+    ap.add_argument("--log")
+    ap.add_argument("--outputs")
+    ap.add_argument("--path", action="append", default=[], help="another watched path (statvfs)")
+    ap.add_argument("--interval", type=float, default=1.0)
+    ap.add_argument("--duration", type=float, default=0.0, help="0: until SIGTERM")
+    ap.add_argument("--ticks-file", help="write the tick count here at exit")
+    a = ap.parse_args(argv)
+    paths = [p for p in [os.path.dirname(a.log) if a.log else None, a.outputs, *a.path] if p]
+    fl = Floor(a.pid, a.log, a.outputs, paths)
+    import signal
+
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    nxt = time.monotonic()
+    end = nxt + a.duration if a.duration else float("inf")
+    ticks = 0
+    while not stop and time.monotonic() < end:
+        fl.tick()
+        ticks += 1
+        nxt += a.interval
+        delay = nxt - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        else:
+            nxt = time.monotonic()
+    if a.ticks_file:
+        with open(a.ticks_file, "w") as f:
+            f.write(f"{ticks}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
