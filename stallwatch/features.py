@@ -65,7 +65,10 @@ def stall_threshold_s(snap: Snapshot) -> tuple[float, str]:
             low, why = STALL_DEFAULT_S, "default"
         if t < low:
             return min(low, STALL_CEILING_S), f"{why} ({c.samples} intervals are too few to trust {t:.3g} s)"
-    return min(t, STALL_CEILING_S), f"5 × p90 {c.p90_s:.3g} s, 2 × max {c.max_s:.3g} s of {c.samples} intervals"
+    why = f"5 × p90 {c.p90_s:.3g} s, 2 × max {c.max_s:.3g} s of {c.samples} intervals"
+    if c.last_outlier_s is not None and c.last_outlier_s > c.max_s:
+        why += f"; {c.outliers} longer gap(s) left out (last {c.last_outlier_s:.3g} s: a one-off)"
+    return min(t, STALL_CEILING_S), why
 
 
 def features(snap: Snapshot) -> dict[str, Any]:

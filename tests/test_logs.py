@@ -371,5 +371,81 @@ def test_new_run_forgets_the_old_runs_rhythm(tmp_path, clock):
     clock.advance(1)
     append(log, "sample 8/100\n")
     o = probe.collect()
-    # Without new_run() the 301 s gap would be learned as an interval (threshold 602 s).
+    # A one-off 301 s gap would not be learned now anyway (an outlier); new_run() also forgets
+    # the old rate and restarts the silence.
     assert o.progress.done == 8 and (o.cadence_s is None or o.cadence_s.max_s <= 1.0)
+
+
+def _steady(probe, log, clock, start: int, n: int, step_s: float = 1.0) -> LogObs:
+    o = None
+    for i in range(start, start + n):
+        clock.advance(step_s)
+        append(log, f"sample {i}/1000\n")
+        o = probe.collect()
+    return o
+
+
+def test_a_one_off_long_gap_is_not_learned_as_rhythm(tmp_path, clock):
+    """A stall that ends on its own (a stopped server resumed) must not stretch the next
+    stall's threshold: the soak missed 4 of 10 stalls when 2 × that gap became the threshold."""
+    log = tmp_path / "job.log"
+    probe = LogProbe(log, clock=clock)
+    append(log, "sample 0/1000\n")
+    probe.collect()
+    _steady(probe, log, clock, 1, 10)
+    clock.advance(45)  # the server was stopped for 45 s, then resumed
+    o = _steady(probe, log, clock, 11, 1, step_s=0.0)
+    assert o.cadence_s.max_s == 1.0 and o.cadence_s.outliers == 1 and o.cadence_s.last_outlier_s == 45.0
+    o = _steady(probe, log, clock, 12, 40)  # the gap would still be inside a 32-interval ring
+    assert o.cadence_s.max_s == 1.0 and o.cadence_s.p90_s == 1.0
+    from stallwatch.features import stall_threshold_s
+    from stallwatch.snapshot import Snapshot
+    from stallwatch.targets import Target
+    snap = Snapshot(t_mono=clock.monotonic(), t_wall=clock.time(), host="t", target=Target(log=log), log=o)
+    t, why = stall_threshold_s(snap)
+    assert t == 20.0, why  # the floor, not 2 × 45 s
+    assert "left out" in why
+
+
+def test_a_recurring_long_gap_is_learned_from_its_second_occurrence(tmp_path, clock):
+    """An eval every tenth step is rhythm: the second 25 s gap enters the cadence."""
+    log = tmp_path / "job.log"
+    probe = LogProbe(log, clock=clock)
+    append(log, "sample 0/1000\n")
+    probe.collect()
+    _steady(probe, log, clock, 1, 9)
+    clock.advance(25)
+    o = _steady(probe, log, clock, 10, 1, step_s=0.0)
+    assert o.cadence_s.max_s == 1.0  # once: an outlier
+    _steady(probe, log, clock, 11, 9)
+    clock.advance(24)
+    o = _steady(probe, log, clock, 20, 1, step_s=0.0)
+    assert o.cadence_s.max_s == 24.0 and o.cadence_s.outliers == 2
+
+
+def test_a_slower_pace_is_learned(tmp_path, clock):
+    """A job that slows from 1 s to 30 s a step: the second slow step is already rhythm."""
+    log = tmp_path / "job.log"
+    probe = LogProbe(log, clock=clock)
+    append(log, "sample 0/1000\n")
+    probe.collect()
+    _steady(probe, log, clock, 1, 10)
+    o = _steady(probe, log, clock, 11, 2, step_s=30.0)
+    assert o.cadence_s.max_s == 30.0
+    o = _steady(probe, log, clock, 13, 10, step_s=30.0)
+    assert o.cadence_s.p90_s == 30.0
+
+
+def test_gaps_far_apart_do_not_count_as_recurring(tmp_path, clock):
+    """Two stalls more than a ring's worth of intervals apart are two one-offs."""
+    log = tmp_path / "job.log"
+    probe = LogProbe(log, clock=clock)
+    append(log, "sample 0/1000\n")
+    probe.collect()
+    _steady(probe, log, clock, 1, 10)
+    clock.advance(40)
+    _steady(probe, log, clock, 11, 1, step_s=0.0)
+    _steady(probe, log, clock, 12, LogProbe.CADENCE_RING + 1)
+    clock.advance(40)
+    o = _steady(probe, log, clock, 100, 1, step_s=0.0)
+    assert o.cadence_s.max_s == 1.0 and o.cadence_s.outliers == 2

@@ -207,6 +207,9 @@ class Cadence(Frozen):
     max_s: float
     samples: int
     source: Literal["observed", "tqdm_elapsed", "tqdm_rate", "mixed"]
+    # Gaps far beyond the rhythm that were left out of it (see LogProbe._add_interval).
+    outliers: int = 0
+    last_outlier_s: float | None = None
 
 
 class FatalLine(Frozen):
@@ -256,6 +259,10 @@ class LogProbe:
 
     name = "log"
     CADENCE_RING = 32
+    # A gap longer than both of these is an outlier, not rhythm, until it recurs (_add_interval).
+    OUTLIER_P90_FACTOR = 5.0
+    OUTLIER_MIN_S = 10.0
+    OUTLIER_MIN_SAMPLES = 5  # a rhythm of fewer intervals is too young to call anything odd
     TAIL_LINE_CHARS = 400
     FATAL_KEEP = 5
 
@@ -283,6 +290,9 @@ class LogProbe:
         self._idle_source: str | None = None
         self._intervals: deque[float] = deque(maxlen=self.CADENCE_RING)
         self._estimated = self._observed = 0  # ring entries learned from history / measured
+        self._seq = 0  # intervals timed since the run began, outliers included
+        self._outliers: deque[tuple[int, float]] = deque(maxlen=8)  # (seq, gap_s)
+        self._outliers_total = 0
         self._history_source = "tqdm_rate"
         self._samples: deque[tuple[float, float]] = deque(maxlen=64)  # (monotonic, done)
         self._last_growth: float | None = None
@@ -296,6 +306,8 @@ class LogProbe:
         where it is: the new run appends to it."""
         self._intervals.clear()
         self._estimated = self._observed = 0
+        self._outliers.clear()
+        self._outliers_total = 0
         self._samples.clear()
         self._tb.reset()
         self._fatal.clear()
@@ -375,10 +387,27 @@ class LogProbe:
         self._samples.append((self._last_change if self._last_change is not None else now, done))
 
     def _add_interval(self, s: float) -> None:
+        s = max(0.0, s)
+        self._seq += 1
+        if len(self._intervals) >= self.OUTLIER_MIN_SAMPLES:
+            bound = max(self.OUTLIER_MIN_S, self.OUTLIER_P90_FACTOR * _p90(list(self._intervals)))
+            if s > bound:
+                # A gap far beyond the rhythm is kept out of it unless one of at least half its
+                # length came within the ring's span. A one-off is likely a stall that ended on
+                # its own (a stopped server resumed): learning it (the threshold follows 2 × the
+                # longest interval) would let the next stall run twice as long before it is
+                # called. A recurring one is rhythm (an eval every tenth step) or a new, slower
+                # pace, and is learned from its second occurrence, as before.
+                recurring = any(self._seq - q <= self.CADENCE_RING and g >= 0.5 * s
+                                for q, g in self._outliers)
+                self._outliers.append((self._seq, s))
+                self._outliers_total += 1
+                if not recurring:
+                    return
         # Estimates learned from history are the oldest entries: they leave the ring first.
         if self._estimated and len(self._intervals) == self._intervals.maxlen:
             self._estimated -= 1
-        self._intervals.append(max(0.0, s))
+        self._intervals.append(s)
         self._observed += 1
 
     def _learn_history(self, r: FollowResult, now: float) -> None:
@@ -432,7 +461,8 @@ class LogProbe:
             source = self._history_source if not self._observed else "mixed"
         return Cadence(
             median_s=statistics.median(xs), p90_s=_p90(xs), max_s=max(xs), samples=len(xs),
-            source=source,
+            source=source, outliers=self._outliers_total,
+            last_outlier_s=self._outliers[-1][1] if self._outliers else None,
         )
 
     def _rate(self, now: float, cadence: Cadence | None) -> float | None:
