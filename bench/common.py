@@ -217,11 +217,11 @@ def wait_for(fn: Callable[[], Any], timeout: float, what: str, every: float = 0.
 def python_for(src: Path | None) -> tuple[list[str], dict[str, str]]:
     """(argv prefix, env) that run `python -m stallwatch` from a given source tree (None: ours)."""
     env = dict(os.environ)
-    env.pop("PYTHONPATH", None)
-    if src is not None:
-        env["PYTHONPATH"] = str(src)
-    else:
-        env["PYTHONPATH"] = str(ROOT)
+    # Other entries stay (a machine whose dependencies sit in a --target directory, as the lent
+    # GPU host's); only stallwatch trees are swapped.
+    keep = [p for p in env.pop("PYTHONPATH", "").split(os.pathsep)
+            if p and Path(p).resolve() != ROOT and not (Path(p) / "stallwatch" / "__init__.py").exists()]
+    env["PYTHONPATH"] = os.pathsep.join([str(src if src is not None else ROOT), *keep])
     return [sys.executable], env
 
 

@@ -13,7 +13,13 @@ devices, statvfs of each watched path and /dev/shm (and its listing); the output
 inotify events, drained with one read(2) per tick (no thread). Only the parsing needed to walk
 the tree (ppid) and to follow the files is done: no models, no rules, no database.
 
-Standard library only; it must not import stallwatch.
+With --nvml it also makes the NVML calls stallwatch's gpu probe makes per tick, for every
+device: utilisation, memory (v2), compute and graphics processes, persistence mode, clock event
+reasons, the four ECC counters, temperature, power, P-state, a 0 ms wait on the Xid event set;
+and every 10 s the per-process utilisation samples and the PCIe throughput. Results are not looked at.
+
+Standard library only (plus pynvml, the official bindings, with --nvml); it must not import
+stallwatch.
 """
 
 from __future__ import annotations
@@ -108,9 +114,63 @@ def listdir(path: str) -> list[str]:
         return []
 
 
+class NvmlFloor:
+    """The raw NVML reads of one gpu-probe tick, through pynvml, without the choke point."""
+
+    SLOW_S = 10.0
+
+    def __init__(self) -> None:
+        import pynvml as n
+
+        self.n = n
+        n.nvmlInit()
+        self.handles = [n.nvmlDeviceGetHandleByIndex(i) for i in range(n.nvmlDeviceGetCount())]
+        self.events = n.nvmlEventSetCreate()
+        for h in self.handles:
+            try:
+                n.nvmlDeviceRegisterEvents(h, n.nvmlEventTypeXidCriticalError, self.events)
+            except n.NVMLError:
+                pass
+        self.next_slow = 0.0
+        self.last_us = 0
+
+    def _try(self, fn, *args):  # noqa: ANN001, ANN202 - the floor keeps no results
+        try:
+            return fn(*args)
+        except self.n.NVMLError:
+            return None
+
+    def tick(self) -> None:
+        n = self.n
+        for h in self.handles:
+            self._try(n.nvmlDeviceGetUtilizationRates, h)
+            self._try(n.nvmlDeviceGetMemoryInfo, h, n.nvmlMemory_v2)
+            self._try(n.nvmlDeviceGetComputeRunningProcesses, h)
+            self._try(n.nvmlDeviceGetGraphicsRunningProcesses, h)
+            self._try(n.nvmlDeviceGetPersistenceMode, h)
+            self._try(n.nvmlDeviceGetCurrentClocksEventReasons, h)
+            for counter in (n.NVML_VOLATILE_ECC, n.NVML_AGGREGATE_ECC):
+                for etype in (n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, n.NVML_MEMORY_ERROR_TYPE_CORRECTED):
+                    self._try(n.nvmlDeviceGetTotalEccErrors, h, etype, counter)
+            self._try(n.nvmlDeviceGetTemperature, h, n.NVML_TEMPERATURE_GPU)
+            self._try(n.nvmlDeviceGetPowerUsage, h)
+            self._try(n.nvmlDeviceGetPerformanceState, h)
+        self._try(n.nvmlEventSetWait_v2, self.events, 0)
+        now = time.monotonic()
+        if now >= self.next_slow:
+            self.next_slow = now + self.SLOW_S
+            for h in self.handles:
+                self._try(n.nvmlDeviceGetProcessUtilization, h, self.last_us)
+                self._try(n.nvmlDeviceGetPcieThroughput, h, n.NVML_PCIE_UTIL_TX_BYTES)
+                self._try(n.nvmlDeviceGetPcieThroughput, h, n.NVML_PCIE_UTIL_RX_BYTES)
+            self.last_us = int(time.time() * 1e6)
+
+
 class Floor:
-    def __init__(self, pid: int, log: str | None, outputs: str | None, paths: list[str]) -> None:
+    def __init__(self, pid: int, log: str | None, outputs: str | None, paths: list[str],
+                 nvml: bool = False) -> None:
         self.pid = pid
+        self.nvml = NvmlFloor() if nvml else None
         self.log, self.offset, self.ident = log, 0, None
         self.outputs = Inotify(outputs) if outputs and os.path.isdir(outputs) else None
         self.paths = paths
@@ -275,6 +335,8 @@ class Floor:
                     pass
         self.tick_kmsg()
         self.tick_disks(extra)
+        if self.nvml is not None:
+            self.nvml.tick()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,9 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval", type=float, default=1.0)
     ap.add_argument("--duration", type=float, default=0.0, help="0: until SIGTERM")
     ap.add_argument("--ticks-file", help="write the tick count here at exit")
+    ap.add_argument("--nvml", action="store_true", help="also the gpu probe's NVML reads")
     a = ap.parse_args(argv)
     paths = [p for p in [os.path.dirname(a.log) if a.log else None, a.outputs, *a.path] if p]
-    fl = Floor(a.pid, a.log, a.outputs, paths)
+    fl = Floor(a.pid, a.log, a.outputs, paths, nvml=a.nvml)
     import signal
 
     stop = []

@@ -132,7 +132,10 @@ def _versions(py: Path) -> dict[str, str]:
 
 def run(*, warmup_s: float, window_s: float, subwindows: int, interval: float = 1.0,
         peers_venv: Path | None = None, install_peers: bool = False,
-        baseline_src: Path | None = None) -> dict[str, Any]:
+        baseline_src: Path | None = None, job_argv: list[str] | None = None,
+        floor_args: tuple[str, ...] = ()) -> dict[str, Any]:
+    """job_argv: the watched job (`{out}` and `{log}` are filled in), default extract_like.py;
+    floor_args: more arguments for bench/floor.py (`--nvml` on a GPU host)."""
     out: dict[str, Any] = {"interval_s": interval, "warmup_s": warmup_s, "window_s": window_s,
                            "subwindows": subwindows, "reads": READS}
     py_peers, why = (ensure_peers(peers_venv, install_peers) if peers_venv else (None, "disabled"))
@@ -143,9 +146,12 @@ def run(*, warmup_s: float, window_s: float, subwindows: int, interval: float = 
     with workdir("overhead") as wd:
         log, outdir = wd / "job.log", wd / "out"
         argv, env = python_for(None)
-        job = subprocess.Popen([*argv, str(ROOT / "tests" / "jobs" / "extract_like.py"), "--out",
-                                str(outdir), "--log", str(log), "--n", "100000000", "--sample-s", "0.2"],
-                               start_new_session=True, stdin=subprocess.DEVNULL, env=env)
+        cmd = ([a.format(out=outdir, log=log) for a in job_argv] if job_argv else
+               [*argv, str(ROOT / "tests" / "jobs" / "extract_like.py"), "--out", str(outdir),
+                "--log", str(log), "--n", "100000000", "--sample-s", "0.2"])
+        out["job"] = cmd
+        job = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL, env=env,
+                               stdout=subprocess.DEVNULL, stderr=open(wd / "job.err", "ab"))
         try:
             wait_for(lambda: outdir.exists() and log.exists(), 30, "the job to start")
             (wd / "job.pid").write_text(f"{job.pid}\n")
@@ -169,7 +175,7 @@ outputs = "{outdir}"
                 procs[name] = start_daemon(cfg, wd / f"{name}.log", src=src)
             procs["floor"] = subprocess.Popen(
                 [sys.executable, str(ROOT / "bench" / "floor.py"), "--pid", str(job.pid), "--log", str(log),
-                 "--outputs", str(outdir), "--interval", str(interval)],
+                 "--outputs", str(outdir), "--interval", str(interval), *floor_args],
                 start_new_session=True, stdin=subprocess.DEVNULL)
             peer_info: dict[str, Any] = {}
             if py_peers is not None:
@@ -191,7 +197,11 @@ outputs = "{outdir}"
                 meters[name] = cpu_meter(name, p.pid)
             for name in daemons:
                 state = wd / f"state-{name}"
-                wait_for(lambda s=state: db_meta(s).get("ticks"), 60, f"{name} to tick")
+                try:
+                    wait_for(lambda s=state: db_meta(s).get("ticks"), 60, f"{name} to tick")
+                except TimeoutError as e:
+                    said = (wd / f"{name}.log").read_text(errors="replace")[-3000:]
+                    raise TimeoutError(f"{e}; its log ends:\n{said}") from None
             time.sleep(warmup_s)
             if "gpustat" in procs:
                 gs = procs["gpustat"]

@@ -30,7 +30,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import detection, gpu_traces, overhead  # noqa: E402
+from bench import detection, gpu_live, gpu_traces, overhead  # noqa: E402
 from bench.common import ROOT, dump, loadavg, machine, rnd  # noqa: E402
 
 SECTIONS = ("overhead", "tick", "growth", "detection", "false_positives", "gpu")
@@ -46,6 +46,7 @@ MODES: dict[str, dict[str, Any]] = {
         "rules": dict(counts=[10, 20], repeats=1, traces=["deadlock"]),
         "detection": dict(rigs=["crash"], warmup_s=4, repeats=1),
         "false_positives": dict(duration_s=15, checkpoint_every_s=5, checkpoint_s=4),
+        "gpu": dict(calls=20, overhead=dict(warmup_s=3, window_s=5, subwindows=2)),
     },
     "quick": {
         "overhead": dict(warmup_s=15, window_s=120, subwindows=4),
@@ -56,6 +57,7 @@ MODES: dict[str, dict[str, Any]] = {
         "rules": dict(counts=[10, 25, 50, 100, 200], repeats=2),
         "detection": dict(rigs=list(detection.EXPECTED), warmup_s=15, repeats=1),
         "false_positives": dict(duration_s=300, checkpoint_every_s=100, checkpoint_s=90),
+        "gpu": dict(calls=300, overhead=dict(warmup_s=15, window_s=120, subwindows=4)),
     },
     "full": {
         "overhead": dict(warmup_s=30, window_s=600, subwindows=10),
@@ -67,6 +69,7 @@ MODES: dict[str, dict[str, Any]] = {
         "rules": dict(counts=[10, 25, 50, 100, 200], repeats=3),
         "detection": dict(rigs=list(detection.EXPECTED), warmup_s=30, repeats=3),
         "false_positives": dict(duration_s=1800, checkpoint_every_s=180, checkpoint_s=90),
+        "gpu": dict(calls=1000, overhead=dict(warmup_s=30, window_s=300, subwindows=6)),
     },
 }
 
@@ -184,21 +187,27 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         ratio = flat_ratio([r["amortized_cpu_ms_per_tick"] for r in outr])
         add("flat cost in outputs count (amortized, reconciles included)", "~1 (<= 1.5)", ratio,
             ratio is not None and ratio <= 1.5, "")
+    live = (res.get("gpu") or {}).get("live") or {}
+    if live.get("nvml"):
+        f = live["nvml"]["fast"]
+        add("GPU host: NVML part of a tick, ms wall p99", "within the 20 ms tick",
+            f["stallwatch"]["wall_ms"]["p99"], f["stallwatch"]["wall_ms"]["p99"] <= 20,
+            f"{live['gpu']}; {f['x_floor_cpu']}x the raw NVML calls' CPU")
+    gov = (live.get("overhead") or {}).get("rows", {})
+    if gov.get("stallwatch"):
+        t = gov["stallwatch"].get("total") or {}
+        add("GPU host: overhead, % of one core", "<= 0.5", t.get("pct_of_core"),
+            t.get("pct_of_core") is not None and t["pct_of_core"] <= 0.5, "a real GPU job")
+        x = gov["stallwatch"].get("x_floor")
+        add("GPU host: overhead vs the raw floor (with NVML)", "<= 2x", x, x is not None and x <= 2.0, "")
     return out
 
 
-def render(res: dict[str, Any]) -> str:
-    parts = []
-    m = res["machine"]
-    parts.append(f"stallwatch bench ({res['mode']}), {m['nproc']} x {m['cpu_model']}, kernel {m['kernel']}, "
-                 f"Python {m['python']}, load {res['load_at_start']} -> {res['load_at_end']}")
-    parts.append(table("Targets (issue 7) against this run", ["target", "bound", "measured", "met", "note"],
-                       [[t["target"], t["bound"], t["measured"], {True: "yes", False: "NO", None: "-"}[t["met"]],
-                         t["note"]] for t in res["targets"]]))
-    ov = res.get("overhead") or {}
+def overhead_tables(ov: dict[str, Any], title: str) -> list[str]:
+    parts: list[str] = []
     if ov.get("rows"):
         parts.append(table(
-            f"Overhead: watching one healthy job at a {ov['interval_s']:g} s interval, side by side "
+            f"{title} at a {ov['interval_s']:g} s interval, side by side "
             f"({ov['window_s']:g} s window, {ov['subwindows']} sub-windows; CPU meter: "
             f"{sorted(set(ov.get('cpu_meter', {}).values()))})",
             ["who", "CPU ms/tick (total)", "median of windows", "% core", "x floor", "RSS MiB", "PSS MiB",
@@ -213,6 +222,18 @@ def render(res: dict[str, Any]) -> str:
         for name, groups in (ov.get("by_thread_ms_per_tick") or {}).items():
             parts.append(f"{name} by thread, ms CPU per tick: "
                          + ", ".join(f"{k} {v:.3f}" for k, v in groups.items()))
+    return parts
+
+
+def render(res: dict[str, Any]) -> str:
+    parts = []
+    m = res["machine"]
+    parts.append(f"stallwatch bench ({res['mode']}), {m['nproc']} x {m['cpu_model']}, kernel {m['kernel']}, "
+                 f"Python {m['python']}, load {res['load_at_start']} -> {res['load_at_end']}")
+    parts.append(table("Targets (issue 7) against this run", ["target", "bound", "measured", "met", "note"],
+                       [[t["target"], t["bound"], t["measured"], {True: "yes", False: "NO", None: "-"}[t["met"]],
+                         t["note"]] for t in res["targets"]]))
+    parts += overhead_tables(res.get("overhead") or {}, "Overhead: watching one healthy job")
     tk = res.get("tick") or {}
     if tk:
         parts.append(table("In-process tick (collector + features + rules), healthy job",
@@ -289,6 +310,24 @@ def render(res: dict[str, Any]) -> str:
                              f"{_f(t['gpu_beyond_processes_ms'].get('median'))}/{_f(t['gpu_beyond_processes_ms'].get('p99'))}",
                              f"{_f(t['tick_ms'].get('median'))}/{_f(t['tick_ms'].get('p99'))}"]
                             for t in gp["traces"]]))
+    live = gp.get("live") or {}
+    if live.get("nvml"):
+        nv = live["nvml"]
+        rows = []
+        for path in ("fast", "slow"):
+            r = nv[path]
+            for who in ("stallwatch", "floor"):
+                rows.append([path, who, r["calls"], r[who]["cpu_ms"]["mean"], r[who]["cpu_ms"]["p99"],
+                             r[who]["wall_ms"]["median"], r[who]["wall_ms"]["p99"],
+                             r["x_floor_cpu"] if who == "stallwatch" else "",
+                             r["x_floor_wall_median"] if who == "stallwatch" else ""])
+        parts.append(table(f"GPU probe, live — {live['gpu']}; not supported here: {nv.get('unsupported')}",
+                           ["path", "who", "calls", "CPU ms mean", "CPU ms p99", "wall ms median",
+                            "wall ms p99", "x floor CPU", "x floor wall"], rows))
+    elif gp:
+        parts.append(f"\nGPU probe, live: no GPU here ({live.get('gpu')})")
+    if live.get("overhead"):
+        parts += overhead_tables(live["overhead"], "Overhead on the GPU host: watching a real GPU job")
     return "\n".join(parts)
 
 
@@ -359,7 +398,11 @@ def main(argv: list[str] | None = None) -> int:
             print("== false positives", flush=True)
             res["false_positives"] = detection.false_positives(**P["false_positives"])
         if "gpu" in want:
+            print("== gpu", flush=True)
             res["gpu"] = gpu_traces.run()
+            res["gpu"]["live"] = gpu_live.run(
+                calls=P["gpu"]["calls"], overhead_params=P["gpu"].get("overhead"),
+                peers_venv=None if a.no_peers else a.peers_venv, install_peers=a.install_peers)
     finally:
         if tmp_base is not None:
             shutil.rmtree(tmp_base, ignore_errors=True)

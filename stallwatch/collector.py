@@ -42,6 +42,7 @@ class Collector:
         kernel_history: bool = False,
         deadline_s: float = 5.0,
         use_inotify: bool = True,
+        gpu_slow_in_background: bool = True,
     ) -> None:
         self.target = target
         self.clock = clock
@@ -49,7 +50,7 @@ class Collector:
         self.host = socket.gethostname()
         self.runner = DeadlineRunner(clock)
         self.processes = ProcessesProbe(target, roots=roots, clock=clock)
-        self.gpu = GpuProbe(nvml=nvml, clock=clock) if gpu else None
+        self.gpu = GpuProbe(nvml=nvml, clock=clock, slow_in_background=gpu_slow_in_background) if gpu else None
         self.log = LogProbe(target.log, target.progress_regex, clock=clock) if target.log else None
         self.outputs = (OutputsProbe(target.outputs, clock=clock, use_watchdog=use_inotify, roots=roots)
                         if target.outputs else None)

@@ -22,7 +22,14 @@ EXIT_OK, EXIT_WARNING, EXIT_CRITICAL, EXIT_UNKNOWN = 0, 1, 2, 3
 
 
 def builtin_rule_paths() -> list[Path]:
-    root = resources.files("stallwatch._rules")
+    try:
+        root = resources.files("stallwatch._rules")
+    except ModuleNotFoundError:
+        # Run from a source checkout on PYTHONPATH, not installed: the package-dir mapping of
+        # pyproject.toml (rules/ -> stallwatch._rules) exists only in an installed tree.
+        root = Path(__file__).resolve().parents[1] / "rules"
+        if not (root / "10-faults.toml").is_file():
+            raise
     return sorted(Path(str(p)) for p in root.iterdir() if p.name.endswith(".toml"))
 
 

@@ -564,6 +564,43 @@ def test_slow_path_cadence():
     assert probe.collect().devices[0].processes[0].sm_util_pct == 0
 
 
+def test_slow_path_in_background_never_holds_up_a_tick():
+    """PCIe throughput takes ~20 ms per call on an H200 (NVML samples over a window): with
+    slow_in_background the tick returns while the slow call is still in the driver, and the
+    sample shows up on a later tick, with its own timestamp."""
+    lib = four_gpus()
+    entered, release = threading.Event(), threading.Event()
+    orig = lib.nvmlDeviceGetPcieThroughput
+    calls = []
+
+    def slow_pcie(handle, counter):
+        calls.append(counter)
+        entered.set()
+        assert release.wait(30)
+        return orig(handle, counter)
+
+    lib.nvmlDeviceGetPcieThroughput = slow_pcie
+    clock = FakeClock()
+    probe = probe_for(lib, clock, slow_every_s=10.0, slow_in_background=True)
+    try:
+        first = probe.collect()  # returns although the slow thread is blocked in the driver
+        assert entered.wait(30)
+        assert first.devices[0].util_gpu_pct is not None
+        assert first.devices[0].pcie_tx_bytes_per_s is None and first.devices[0].slow_sampled_at is None
+        clock.advance(10)
+        probe.collect()  # due again, but the last sample has not returned: no second thread
+        assert [t.name for t in threading.enumerate()].count("gpu-slow") == 1
+        release.set()
+        probe._slow_thread.join(30)
+        assert not probe._slow_thread.is_alive()
+        later = probe.collect()
+        assert later.devices[0].pcie_tx_bytes_per_s == 1000 * 1024
+        assert later.devices[0].slow_sampled_at == first.collected_at
+        assert later.devices[0].processes[0].sm_util_pct == 88
+    finally:
+        release.set()
+
+
 def test_slow_path_can_be_disabled():
     lib = four_gpus()
     obs = probe_for(lib, slow_every_s=float("inf")).collect()
