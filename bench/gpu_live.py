@@ -78,7 +78,7 @@ def nvml_part(calls: int) -> dict[str, Any]:
 
 
 def run(*, calls: int, overhead_params: dict[str, Any] | None, peers_venv: Path | None,
-        install_peers: bool = False) -> dict[str, Any]:
+        install_peers: bool = False, baseline_src: Path | None = None) -> dict[str, Any]:
     ok, what = nvml_available()
     out: dict[str, Any] = {"live": ok, "gpu": what}
     if not ok:
@@ -89,6 +89,7 @@ def run(*, calls: int, overhead_params: dict[str, Any] | None, peers_venv: Path 
 
         out["overhead"] = overhead.run(
             **overhead_params, peers_venv=peers_venv, install_peers=install_peers,
+            baseline_src=baseline_src,
             job_argv=[sys.executable, str(ROOT / "bench" / "jobs" / "gpu_job.py"), "--out", "{out}",
                       "--log", "{log}", "--step-s", "0.2"],
             floor_args=("--nvml",))

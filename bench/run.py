@@ -402,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
             res["gpu"] = gpu_traces.run()
             res["gpu"]["live"] = gpu_live.run(
                 calls=P["gpu"]["calls"], overhead_params=P["gpu"].get("overhead"),
-                peers_venv=None if a.no_peers else a.peers_venv, install_peers=a.install_peers)
+                peers_venv=None if a.no_peers else a.peers_venv, install_peers=a.install_peers,
+                baseline_src=baseline)
     finally:
         if tmp_base is not None:
             shutil.rmtree(tmp_base, ignore_errors=True)
