@@ -84,11 +84,11 @@ def features(snap: Snapshot) -> dict[str, Any]:
         "proc": _proc(procs, threads),
         "log": _log(snap),
         "outputs": _outputs(snap),
-        "gpu": _gpu(snap, {p.pid for p in procs}),
+        "gpu": _gpu(snap, {p.pid for p in procs}, _server_pids(snap)),
         "server": {**_server(snap), **_ranks(snap)},
         "client": _client(procs, threads, server_port),
         "disk": _disk(snap),
-        "kernel": _kernel(snap, procs),
+        "kernel": _kernel(snap, procs, _pipeline_pcis(snap, {p.pid for p in procs})),
         "probes": {r.name: r.status.value for r in snap.probes},
         "probe_errors": [f"{r.name}: {r.status.value}: {r.error}" for r in snap.probes
                          if r.status.value not in ("ok", "absent") and r.error],
@@ -285,7 +285,38 @@ def _outputs(snap: Snapshot) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ GPU
 
-def _gpu(snap: Snapshot, job_pids: set[int]) -> dict[str, Any]:
+def _server_pids(snap: Snapshot) -> set[int]:
+    sp = snap.server_processes
+    return {p.pid for p in sp.processes} if sp else set()
+
+
+def _pipeline_gpus(snap: Snapshot, job_pids: set[int]) -> set[int] | None:
+    """The GPUs the job or its server hold memory on; None when that is unknown (no process list,
+    or nobody of the pipeline on a GPU): then every GPU of the host is the pipeline's."""
+    g = snap.gpu
+    pids = job_pids | _server_pids(snap)
+    found = {d.index for d in (g.devices if g and g.status == "ok" else ())
+             for pr in d.processes or () if pr.pid in pids}
+    return found or None
+
+
+def _norm_pci(bus_id: str) -> str:
+    # NVML says "00000000:3B:00.0", the kernel "0000:3b:00": compare domain:bus:device.
+    parts = bus_id.lower().split(".")[0].split(":")
+    if len(parts) == 3:
+        return f"{int(parts[0], 16):04x}:{parts[1]}:{parts[2]}"
+    return bus_id.lower()
+
+
+def _pipeline_pcis(snap: Snapshot, job_pids: set[int]) -> set[str] | None:
+    mine = _pipeline_gpus(snap, job_pids)
+    if mine is None or snap.gpu is None:
+        return None
+    pcis = {_norm_pci(d.pci_bus_id) for d in snap.gpu.devices if d.index in mine and d.pci_bus_id}
+    return pcis or None
+
+
+def _gpu(snap: Snapshot, job_pids: set[int], server_pids: set[int] = frozenset()) -> dict[str, Any]:
     g = snap.gpu
     devs = list(g.devices) if g and g.status == "ok" else []
     utils = [d.util_gpu_pct for d in devs if isinstance(d.util_gpu_pct, (int, float))]
@@ -296,6 +327,10 @@ def _gpu(snap: Snapshot, job_pids: set[int]) -> dict[str, Any]:
             if pr.pid in job_pids:
                 job_mem += pr.used_bytes or 0
                 job_gpus.add(d.index)
+    # A fault on another tenant's GPU is not this pipeline's: on a shared 8-GPU node a job on
+    # GPUs 0-1 must not be called gpu_fault (and left unrestarted) for an Xid on GPU 5.
+    mine = _pipeline_gpus(snap, job_pids)
+    scoped = (lambda i: True) if mine is None else (lambda i: i in mine)
     # Corrected single-bit ECC is the hardware working as designed, and Xids 13, 31, 43 and 45
     # are raised by the application itself (an illegal access, a page fault, a killed context):
     # the job's problem, judged by its own verdict, not a GPU fault.
@@ -303,6 +338,10 @@ def _gpu(snap: Snapshot, job_pids: set[int]) -> dict[str, Any]:
             and e.kind != "ecc_single_bit" and e.xid not in APPLICATION_XIDS]
     lost = [d.index for d in devs if d.lost]
     ecc = [d.index for d in devs if (d.ecc_volatile_uncorrected or 0) > 0]
+    others = (len([i for i in lost if not scoped(i)]) + len([i for i in ecc if not scoped(i)])
+              + len([e for e in xids if e.gpu_index is not None and not scoped(e.gpu_index)]))
+    lost, ecc = [i for i in lost if scoped(i)], [i for i in ecc if scoped(i)]
+    xids = [e for e in xids if e.gpu_index is None or scoped(e.gpu_index)]
     return {
         "present": bool(devs),
         "status": g.status if g else "absent",
@@ -313,6 +352,8 @@ def _gpu(snap: Snapshot, job_pids: set[int]) -> dict[str, Any]:
         "job_mem_bytes": float(job_mem),
         "job_mem_h": human_bytes(job_mem),
         "job_gpus": sorted(job_gpus),
+        "pipeline_gpus": sorted(mine) if mine is not None else [d.index for d in devs],
+        "faults_elsewhere": float(others),
         "lost": lost,
         "ecc_uncorrected_gpus": ecc,
         "xid_recent": [{"gpu": e.gpu_index, "xid": e.xid if e.xid is not None else -1, "kind": e.kind}
@@ -513,7 +554,7 @@ def _devname(p) -> str:
     return f"{name} backed by {dev.loop_backing_file}" if dev.loop_backing_file else name
 
 
-def _kernel(snap: Snapshot, procs: list[ProcessObs]) -> dict[str, Any]:
+def _kernel(snap: Snapshot, procs: list[ProcessObs], pcis: set[str] | None = None) -> dict[str, Any]:
     k = snap.kernel
     events = [e for e in (k.events if k else ())
               if e.wall_time is None or snap.t_wall - e.wall_time < RECENT_EVENT_S]
@@ -524,7 +565,8 @@ def _kernel(snap: Snapshot, procs: list[ProcessObs]) -> dict[str, Any]:
     ooms = [e for e in events if e.kind == "oom_kill"]
     job_oom = next((e for e in reversed(ooms) if e.pid in job_pids), None)
     hung = [e for e in events if e.kind == "hung_task" and e.pid in job_pids]
-    xids = [e for e in events if e.kind == "gpu_xid" and e.xid not in APPLICATION_XIDS]
+    xids = [e for e in events if e.kind == "gpu_xid" and e.xid not in APPLICATION_XIDS
+            and (pcis is None or not e.pci or _norm_pci(e.pci) in pcis)]
     ioerr = [e for e in events if e.kind in ("block_io_error", "fs_error")]
     return {
         "readable": bool(k and k.status.value == "ok"),

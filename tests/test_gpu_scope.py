@@ -1,0 +1,83 @@
+"""gpu_fault is about the pipeline's GPUs: on a shared node, another tenant's Xid, lost GPU or
+ECC error is counted in `gpu.faults_elsewhere`, not in what the gpu_fault rule reads. The job
+is a real process (a sleeping child, in the snapshot through the real processes probe; the probe
+never watches its own process)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from stallwatch.diagnose import load
+from stallwatch.engine import Evaluator
+from stallwatch.features import features
+from stallwatch.kmsgparse import EventKind, KernelEvent
+from stallwatch.probes.base import ProbeStatus
+from stallwatch.probes.gpu import GpuDeviceObs, GpuObs, GpuProcessObs, XidEventObs
+from stallwatch.probes.kmsg import KernelLogObs
+from stallwatch.probes.processes import ProcessesProbe
+from stallwatch.snapshot import Snapshot
+from stallwatch.targets import Target
+
+PID = 0
+
+
+@pytest.fixture(autouse=True)
+def job():
+    global PID
+    p = subprocess.Popen(["sleep", "600"])
+    PID = p.pid
+    yield p
+    p.kill()
+    p.wait()
+
+
+def node(job_on: tuple[int, ...], xid_on: int | None = None, lost: tuple[int, ...] = (),
+         kernel_pci: str | None = None) -> Snapshot:
+    now = time.time()
+    devs = [GpuDeviceObs(index=i, pci_bus_id=f"00000000:{0x18 + i:02X}:00.0", lost=i in lost,
+                         util_gpu_pct=0,
+                         processes=[GpuProcessObs(pid=PID if i in job_on else 99_000 + i, gpu_index=i,
+                                                  kind="compute", used_bytes=1 << 30)])
+            for i in range(8)]
+    xids = [XidEventObs(seq=1, gpu_index=xid_on, kind="xid", xid=79, wall_time=now)] if xid_on is not None else []
+    kernel = KernelLogObs(status=ProbeStatus.ok, source="fixture", events=tuple(
+        [KernelEvent(kind=EventKind.gpu_xid, seq=3, kernel_usec=1, xid=79, pci=kernel_pci,
+                     message=f"NVRM: Xid (PCI:{kernel_pci}): 79, GPU has fallen off the bus.")]
+        if kernel_pci else []))
+    target = Target(name="extract", pids=(PID,))
+    return Snapshot(t_mono=1000.0, t_wall=now, host="test", target=target,
+                    processes=ProcessesProbe(target).collect(),
+                    gpu=GpuObs(status="ok", device_count=8, devices=devs, xid_events=xids,
+                               xid_events_total=len(xids)),
+                    kernel=kernel)
+
+
+def verdict(snap: Snapshot) -> str:
+    return Evaluator(load()).evaluate(features(snap), snap.t_mono).verdict.kind
+
+
+def test_an_xid_on_another_tenants_gpu_is_not_the_jobs_gpu_fault():
+    v = features(node(job_on=(0, 1), xid_on=5, lost=(6,), kernel_pci="0000:1f:00"))
+    assert v["gpu"]["pipeline_gpus"] == [0, 1]
+    assert v["gpu"]["xid_recent"] == [] and v["gpu"]["lost"] == [] and v["kernel"]["xid"] == []
+    assert v["gpu"]["faults_elsewhere"] == 2.0  # the NVML Xid on 5 and lost GPU 6
+    assert verdict(node(job_on=(0, 1), xid_on=5)) != "gpu_fault"
+
+
+def test_an_xid_on_the_jobs_gpu_is_a_gpu_fault():
+    snap = node(job_on=(0, 1), xid_on=1)
+    assert features(snap)["gpu"]["xid_recent"][0]["gpu"] == 1
+    assert verdict(snap) == "gpu_fault"
+    # the kernel's line names GPU 0 by its PCI bus id (NVML: 00000000:18:00.0)
+    snap = node(job_on=(0, 1), kernel_pci="0000:18:00")
+    assert len(features(snap)["kernel"]["xid"]) == 1 and verdict(snap) == "gpu_fault"
+
+
+def test_when_the_pipelines_gpus_are_unknown_every_gpu_counts():
+    snap = node(job_on=(), xid_on=5)
+    v = features(snap)
+    assert v["gpu"]["pipeline_gpus"] == list(range(8)) and v["gpu"]["faults_elsewhere"] == 0.0
+    assert verdict(snap) == "gpu_fault"
