@@ -93,6 +93,7 @@ def features(snap: Snapshot) -> dict[str, Any]:
         "probe_errors": [f"{r.name}: {r.status.value}: {r.error}" for r in snap.probes
                          if r.status.value not in ("ok", "absent") and r.error],
     }
+    v["disk"].update(_io_place(snap, v["proc"]["d"]["file"]))
     v["activity"] = _activity(v)
     return v
 
@@ -540,6 +541,39 @@ def _disk(snap: Snapshot) -> dict[str, Any]:
                    "device": _devname(p), "status": p.status.value, "detail": p.detail or ""}
                   for p in paths],
     }
+
+
+def _io_place(snap: Snapshot, d_file: str) -> dict[str, str]:
+    """The filesystem a stuck job most likely waits on, for the io_stall advice: the mount holding
+    the file the worst D thread's syscall is on; else a watched path whose statvfs is stuck; else
+    the outputs directory's (where an extraction job writes); else the tightest."""
+    d = snap.disks
+    paths = [p for p in (d.paths if d else ()) if p.kind == "path" and p.mount]
+    if not paths:
+        return {"io_mount": "", "io_device": "", "io_why": ""}
+
+    def under(f: str, mp: str) -> bool:
+        return f == mp or f.startswith(mp.rstrip("/") + "/")
+
+    if d_file.startswith("/"):
+        owners = [p for p in paths if under(d_file, p.mount.mount_point)]
+        if owners:
+            p = max(owners, key=lambda p: len(p.mount.mount_point))
+            return {"io_mount": p.mount.mount_point, "io_device": _devname(p),
+                    "io_why": f"holds {d_file}, the stuck thread's file"}
+    stuck = [p for p in paths if p.status.value in ("timeout", "busy")]
+    if stuck:
+        return {"io_mount": stuck[0].mount.mount_point, "io_device": _devname(stuck[0]),
+                "io_why": f"statvfs of {stuck[0].path} does not return"}
+    out = str(snap.target.outputs) if snap.target.outputs else ""
+    mine = next((p for p in paths if out and p.path == out), None)
+    if mine is not None:
+        return {"io_mount": mine.mount.mount_point, "io_device": _devname(mine),
+                "io_why": "holds the outputs directory"}
+    tight = min((p for p in paths if p.free_bytes is not None), key=lambda p: p.free_bytes,
+                default=paths[0])
+    return {"io_mount": tight.mount.mount_point, "io_device": _devname(tight),
+            "io_why": "the watched filesystem with the least free space"}
 
 
 def _devname(p) -> str:

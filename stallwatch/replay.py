@@ -19,7 +19,7 @@ from stallwatch.trace import read_trace
 
 def evaluate_trace(path: Path, rules: Iterable[Path] | None = None) -> tuple[dict, list[dict[str, Any]], list[dict]]:
     """(header, one row per snapshot, events). Each row: t_s (since the first snapshot), t_wall,
-    kind, rule, summary, evidence, cause, firing, pending, warnings."""
+    kind, rule, summary, evidence, advice, cause, firing, pending, warnings."""
     header, snaps, events = read_trace(path)
     ev = Evaluator(dg.load(rules))
     rows: list[dict[str, Any]] = []
@@ -37,6 +37,7 @@ def evaluate_trace(path: Path, rules: Iterable[Path] | None = None) -> tuple[dic
             "kind": res.verdict.kind, "rule": res.verdict.rule, "summary": res.verdict.summary,
             "cause": res.verdict.cause,
             "evidence": [e.model_dump() for e in res.verdict.evidence],
+            "advice": list(res.verdict.advice),
             "firing": res.names("firing"), "pending": res.names("pending"),
             "warnings": [w.rule for w in res.warnings],
             "errors": [f"{e.rule}: {e.error}" for e in res.errors],

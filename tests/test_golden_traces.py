@@ -187,6 +187,10 @@ def test_io_stall_evidence_names_tid_wchan_syscall_mount_and_device():
     assert f"syscall {syscall}" in thread
     disks = evidence(row, "disk")
     assert f"{g.facts['outputs']} is on {mount} ({device} backed by " in "\n".join(disks), disks
+    # The advice names the frozen filesystem (where the outputs go), not merely the tightest one.
+    (check,) = [a for a in row["advice"] if a.startswith("check the filesystem")]
+    assert check.startswith(f"check the filesystem {mount} on {device} backed by "), check
+    assert "(holds the outputs directory)" in check or "the stuck thread's file" in check, check
     (stack,) = evidence(row, "stack")
     assert stack.startswith(f"kernel stack of tid {t['tid']}: percpu_rwsem_wait"), stack
 
