@@ -161,10 +161,12 @@ def run(*, warmup_s: float, window_s: float, subwindows: int, interval: float = 
             for name, src in daemons.items():
                 state = wd / f"state-{name}"
                 cfg = wd / f"{name}.toml"
+                rules = f'rules = ["{src}/rules"]' if src is not None else ""
                 cfg.write_text(f"""
 [daemon]
 interval_s = {interval}
 state_dir = "{state}"
+{rules}
 
 [[job]]
 name = "extract"

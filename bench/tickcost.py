@@ -30,6 +30,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+RULES_DIR = ROOT / "rules"
 
 
 def _summary(xs: list[float], scale: float = 1e3, digits: int = 3) -> dict[str, Any]:
@@ -50,7 +51,7 @@ class Ticker:
         from stallwatch.engine import Evaluator
 
         self.collector = collector
-        self.evaluator = Evaluator(rules if rules is not None else diagnose.load())
+        self.evaluator = Evaluator(rules if rules is not None else diagnose.load([RULES_DIR]))
         self.rows: list[dict[str, float]] = []
         self.last = None
 
@@ -391,7 +392,7 @@ def what_tree(params: dict[str, Any], work: Path) -> dict[str, Any]:
 def clone_rules(n: int, dest: Path) -> Path:
     """n rules: the defaults in order, then copies of them under new names."""
     chunks: list[str] = []
-    for f in sorted((ROOT / "rules").glob("*.toml")):
+    for f in sorted(RULES_DIR.glob("*.toml")):
         parts = re.split(r"(?m)^(?=\[\[rule\]\]\s*$)", f.read_text())
         chunks += [p for p in parts if p.startswith("[[rule]]")]
     out, k = [], 0
@@ -456,6 +457,12 @@ def main() -> int:
     a = ap.parse_args()
     sys.path.insert(0, a.src)
     import stallwatch
+
+    global RULES_DIR
+    # The measured tree's own rules: an installed checkout maps its built-in rules to itself,
+    # and a baseline's schema may lack variables the current rules name.
+    if (Path(a.src) / "rules").is_dir():
+        RULES_DIR = Path(a.src) / "rules"
 
     base = Path(os.environ.get("STALLWATCH_BENCH_TMP", tempfile.gettempdir()))
     work = Path(tempfile.mkdtemp(prefix=f"stallwatch-bench-{a.what}-", dir=base))

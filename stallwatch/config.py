@@ -136,6 +136,10 @@ class JobConfig(_Strict):
     kill_grace_s: float = 10.0  # SIGTERM, then SIGKILL after this
     restart_backoff_s: float = 5.0  # the n-th restart waits backoff × 2^(n-1), capped
     restart_backoff_max_s: float = 300.0
+    # A run that stays up this long with no incident open proves the job works: the backoff and
+    # the restart budget start over (as Kubernetes forgets a crash loop after 10 minutes). 0: the
+    # budget covers the job's whole life.
+    restart_reset_after_s: float = 600.0
     quarantine: Path | None = None  # default: "<outputs>.quarantine", beside the outputs
     validate_window_s: float = 600.0  # outputs changed this long before the failure are checked
     validate_max_files: int = Field(default=256, ge=1)
@@ -146,7 +150,7 @@ class JobConfig(_Strict):
     dry_run: bool | None = None  # None: the daemon's
 
     @field_validator("kill_grace_s", "restart_backoff_s", "restart_backoff_max_s",
-                     "validate_window_s", "gpu_release_timeout_s", "startup_grace_s",
+                     "restart_reset_after_s", "validate_window_s", "gpu_release_timeout_s", "startup_grace_s",
                      mode="before")
     @classmethod
     def _dur(cls, v: Any) -> Any:

@@ -113,6 +113,8 @@ class JobView(_View):
     eta_s: float | None = None
     last_progress_timestamp_s: float | None = None  # Unix seconds of the last progress change
     restarts: int = Field(default=0, ge=0)  # completed restarts, cumulative
+    # restarts since the last run that stayed up restart_reset_after_s: what the budget counts
+    restart_streak: int = Field(default=0, ge=0)
     max_restarts: int | None = Field(default=None, ge=0)  # the budget; None: restart = "no"
     incidents: dict[str, int] = Field(default_factory=dict)  # kind -> incidents so far
     gpus: tuple[JobGpu, ...] = ()
@@ -150,7 +152,7 @@ class JobView(_View):
     @classmethod
     def from_snapshot(cls, name: str, snap: Any | None, *, kind: str = "unknown",
                       state: str = "running", restarts: int = 0,
-                      max_restarts: int | None = None,
+                      max_restarts: int | None = None, restart_streak: int = 0,
                       incidents: Mapping[str, int] | None = None) -> JobView:
         """Progress and GPU memory from the job's latest Snapshot; the rest from the daemon.
 
@@ -171,7 +173,8 @@ class JobView(_View):
             gpus = job_gpus(snap.gpu, pids)
         return cls(name=name, kind=kind, state=state, done=done, total=total, rate_per_s=rate,
                    eta_s=eta, last_progress_timestamp_s=last_ts, restarts=restarts,
-                   max_restarts=max_restarts, incidents=dict(incidents or {}), gpus=gpus)
+                   max_restarts=max_restarts, restart_streak=restart_streak,
+                   incidents=dict(incidents or {}), gpus=gpus)
 
 
 class GpuView(_View):
@@ -345,6 +348,10 @@ def families(jobs: Sequence[JobView], daemon: DaemonView | None) -> list[Metric]
     max_restarts = GaugeMetricFamily("stallwatch_job_max_restarts",
                                      "The job's restart budget (absent when restart = \"no\").",
                                      labels=J)
+    streak = GaugeMetricFamily("stallwatch_job_restart_streak",
+                               "Restarts since the job's last run that stayed up "
+                               "restart_reset_after_s with no incident: what max_restarts counts.",
+                               labels=J)
     incidents = CounterMetricFamily("stallwatch_job_incidents",
                                     "Incidents the job had, by verdict kind.", labels=J + ["kind"])
     jgpu = GaugeMetricFamily("stallwatch_job_gpu_memory_used_bytes",
@@ -372,6 +379,7 @@ def families(jobs: Sequence[JobView], daemon: DaemonView | None) -> list[Metric]
         restarts.add_metric([j.name], float(j.restarts))
         if j.max_restarts is not None:
             max_restarts.add_metric([j.name], float(j.max_restarts))
+            streak.add_metric([j.name], float(j.restart_streak))
         kinds = list(INCIDENT_KINDS) + [k for k in j.incidents if k not in INCIDENT_KINDS]
         for k in kinds:
             incidents.add_metric([j.name, k], float(j.incidents.get(k, 0)))
@@ -379,7 +387,7 @@ def families(jobs: Sequence[JobView], daemon: DaemonView | None) -> list[Metric]
             if g.used_bytes is not None:
                 jgpu.add_metric([j.name, str(g.index), g.uuid], float(g.used_bytes))
     out: list[Metric] = [verdict, state, done, total, rate, eta, last, restarts, max_restarts,
-                         incidents, jgpu]
+                         streak, incidents, jgpu]
     if daemon is not None:
         out += _daemon_families(daemon)
     return out
@@ -824,8 +832,10 @@ class DaemonMetrics:
             state = "gave_up"
         cfg = getattr(r, "cfg", None)
         max_r = getattr(cfg, "max_restarts", None) if getattr(cfg, "restart", "no") != "no" else None
+        streak_fn = getattr(r, "restart_streak", None)
+        streak = int(streak_fn()) if callable(streak_fn) else restarts
         return JobView.from_snapshot(r.name, snap, kind=kind, state=state, restarts=restarts,
-                                     max_restarts=max_r,
+                                     max_restarts=max_r, restart_streak=streak,
                                      incidents=self._incident_counts(r, db))
 
     def _incident_counts(self, r: Any, db: Any) -> dict[str, int]:

@@ -354,6 +354,30 @@ def test_crash_loop_restarted_max_times_then_stopped_with_alert(h: Harness, webh
     assert h.stop(daemon) == 0
 
 
+@pytest.mark.parametrize("reset_after", ['"2s"', "0"])
+def test_a_run_that_stayed_up_resets_the_restart_streak(h: Harness, reset_after: str) -> None:
+    """Failures far apart are not a crash loop: a run that stayed up restart_reset_after_s with no
+    incident open gives back the whole budget and the shortest backoff. The 30-minute soak found
+    the budget and the doubling backoff counted over the job's life (its restarts waited 64, 128,
+    256, 300 s, and later faults struck a job still waiting). With 0, the old accounting."""
+    h.write_config(["--count", "100000", "--interval", "0.05", "--crash-after-s", "3"],
+                   job=f'max_restarts = 2\n'
+                       f'restart_reset_after_s = {reset_after}')
+    daemon = h.start()
+    if reset_after == "0":
+        h.wait_phase("stopped", 60)
+        assert h.job()["restarts"] == 2
+        assert "in 0.4 s" in h.daemon_log()  # the second restart waited twice as long
+    else:
+        wait_for(lambda: (h.job() or {}).get("restarts", 0) >= 4, 90, "a fourth restart")
+        assert h.phase() != "stopped" and not h.actions("give_up")
+        log = h.daemon_log()
+        assert log.count("the restart streak starts over") >= 3, log[-3000:]
+        waits = re.findall(r"backoff \(restart \d+ of 2 in ([\d.]+) s\)", log)
+        assert len(waits) >= 4 and set(waits) == {"0.2"}, waits
+    assert h.stop(daemon) == 0
+
+
 def test_daemon_sigkilled_mid_run_new_daemon_reattaches(h: Harness, tmp_path: Path) -> None:
     # Default rules. Run 1 crashes half-way through data_3.pt (once), so a restart is counted
     # and a broken file quarantined before the daemon dies.

@@ -77,6 +77,7 @@ class JobRunner:
         self.synthetic: Verdict | None = None  # the daemon's own verdict: job lost, cannot start
         self.recovery: Recovery | None = None
         self.incidents: dict[str, dict[str, Any]] = {}
+        self._proved_run: int | None = None  # the run whose good behaviour reset the streak
         self.last_snap = None
         self.last_alive_snap = None
         self.last_eval: Evaluation | None = None
@@ -116,6 +117,38 @@ class JobRunner:
     def restarts(self) -> int:
         row = self.db.job(self.name)
         return int(row["restarts"]) if row else 0
+
+    def _streak_key(self) -> str:
+        return f"restart_streak_base:{self.name}"
+
+    def restart_streak(self) -> int:
+        """Restarts since the last run that proved itself (restart_reset_after_s up with no
+        incident open): what the backoff and the budget count."""
+        done = self.restarts()
+        try:
+            base = int(self.db.get_meta(self._streak_key()) or 0)
+        except ValueError:
+            base = 0
+        return max(0, done - min(base, done))
+
+    def _forget_streak_after_a_good_run(self) -> None:
+        # Without this, restarts hours apart added up: a 10-hour job gave up at its fourth
+        # transient hang, and the backoff doubled from one incident to the next (the 30-minute
+        # soak's restarts waited 64, 128, 256, 300 s, so later faults hit a job still waiting).
+        reset = self.cfg.restart_reset_after_s
+        if (not reset or not self.cfg.supervised or self.run_row is None or self.recovery is not None
+                or self.phase != "running" or self.run_row.get("id") == self._proved_run):
+            return
+        up_s = self.clock.time() - self.run_row["started_at"]
+        if up_s < reset or self.incidents:
+            return
+        self._proved_run = self.run_row.get("id")  # once per run: no state reads every tick
+        if self.restart_streak() == 0:
+            return
+        done = self.restarts()
+        self.db.set_meta(self._streak_key(), done)
+        log.info("job %s: run %s up %.0f s with no incident: the restart streak starts over "
+                 "(%d restart(s) in all)", self.name, self.run_row.get("seq"), up_s, done)
 
     def run_started_wall(self) -> float | None:
         return self.run_row["started_at"] if self.run_row else None
@@ -578,6 +611,7 @@ class JobRunner:
             if self.recovery.finished:
                 self.recovery = None
         self._settle(verdict)
+        self._forget_streak_after_a_good_run()
 
     def _persist(self, snap: Any, verdict: Verdict) -> None:
         fields: dict[str, Any] = {"verdict_json": json.dumps(verdict_doc(verdict, snap.t_wall)),
@@ -660,7 +694,7 @@ class JobRunner:
         dispatcher sends one firing alert per incident, so the news must be in that one."""
         if not (self.cfg.supervised and self.cfg.restart == "on-failure" and kind in RESTART_KINDS):
             return ""
-        done = self.restarts()
+        done = self.restart_streak()
         if done >= self.cfg.max_restarts:
             what = "it is left stopped" if kind == "crash" else "it is killed and left stopped"
             return (f"restart budget used up ({done} of max_restarts = {self.cfg.max_restarts}): "

@@ -278,16 +278,16 @@ class Recovery:
     def _backoff(self, snap: Any) -> None:
         cfg = self.r.cfg
         if self.attempt is None:
-            done = self.r.restarts()
-            self.attempt = done + 1
+            done = self.r.restart_streak()
+            self.attempt = self.r.restarts() + 1  # numbers the restart; the streak counts it
             if cfg.restart != "on-failure":
                 self._give_up('restart = "no"', alert=False)
                 return
-            if self.attempt > cfg.max_restarts:
+            if done + 1 > cfg.max_restarts:
                 self._give_up(f"restart budget used up: {done} of max_restarts = "
                               f"{cfg.max_restarts}")
                 return
-            wait = cfg.backoff_s(self.attempt)
+            wait = cfg.backoff_s(done + 1)
             self.restart_at = self.r.clock.monotonic() + wait
             self._enter("backoff", f"restart {self.attempt} of {cfg.max_restarts} in {wait:g} s")
             return

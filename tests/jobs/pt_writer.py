@@ -79,7 +79,10 @@ def main() -> int:
     ap.add_argument("--crash-at", type=int, default=None)
     ap.add_argument("--crash-always", action="store_true")
     ap.add_argument("--once", default=None)
+    ap.add_argument("--crash-after-s", type=float, default=None,
+                    help="every run crashes this long after it starts (after real progress)")
     args = ap.parse_args()
+    started = time.monotonic()
 
     print(f"pt_writer pid {os.getpid()} writing {args.count} samples to {args.out}",
           file=sys.stderr, flush=True)
@@ -110,6 +113,8 @@ def main() -> int:
                                 raise RuntimeError(f"crash in the middle of {path}")
                         time.sleep(args.interval / (2 * args.chunks))
             time.sleep(args.interval / 2)
+        if args.crash_after_s is not None and time.monotonic() - started >= args.crash_after_s:
+            raise RuntimeError(f"crash-after-s: failing {args.crash_after_s} s into the run")
         pct = 100 * (i + 1) // args.count
         print(f"Generating Hidden States: {pct:3d}%| | {i + 1}/{args.count} "
               f"[00:00<00:00, {1 / max(args.interval, 1e-3):.2f}it/s, processed={i + 1 - skipped}, "
