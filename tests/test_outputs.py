@@ -7,10 +7,10 @@ so what those tests see came through events alone.
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -107,24 +107,28 @@ def test_lost_events_are_corrected_by_reconciliation(tmp_path, clock, make_probe
     assert o.reconcile_changes == 5
 
 
-def test_overflow_logged_by_watchdog_forces_reconciliation(tmp_path, clock, make_probe):
-    out = tmp_path / "hs"
+def test_a_real_inotify_queue_overflow_forces_reconciliation(fast_tmp, clock, make_probe):
+    """More events between two ticks than the kernel queues (fs.inotify.max_queued_events): the
+    kernel says IN_Q_OVERFLOW, and the probe reconciles at once rather than at its period."""
+    limit = int(open("/proc/sys/fs/inotify/max_queued_events").read())
+    if limit > 50_000:
+        pytest.skip(f"fs.inotify.max_queued_events is {limit}: too many files to overflow it here")
+    out = fast_tmp / "hs"
     out.mkdir()
     probe = make_probe(out, clock=clock)
     probe.collect()
-    probe._enqueue = lambda *paths: None  # the kernel dropped them
-    for i in range(3):
-        write(out / f"data_{i}.ckpt", 1)
-    logging.getLogger("watchdog.observers.inotify_c").warning("Inotify queue overflowed; filesystem events were lost")
+    n = limit + 500  # each file: IN_CREATE and IN_CLOSE_WRITE
+    for i in range(n):
+        os.close(os.open(out / f"data_{i}.ckpt", os.O_CREAT | os.O_WRONLY))
     o = probe.collect()  # the clock did not move: only the overflow can have triggered this
-    assert (o.file_count, o.overflows, o.reconciliations) == (3, 1, 2)
+    assert (o.file_count, o.overflows, o.reconciliations) == (n, 1, 2)
 
 
 def test_pending_event_bound_forces_reconciliation(tmp_path, clock, make_probe, monkeypatch):
     monkeypatch.setattr(outputs_mod, "MAX_PENDING", 10)
     out = tmp_path / "hs"
     out.mkdir()
-    probe = make_probe(out, clock=clock, use_watchdog=False)
+    probe = make_probe(out, clock=clock, use_inotify=False)
     probe.collect()
     for i in range(30):
         write(out / f"data_{i}.ckpt", 1)
@@ -137,7 +141,7 @@ def test_pending_event_bound_forces_reconciliation(tmp_path, clock, make_probe, 
 def test_polling_without_watchdog(tmp_path, clock, make_probe):
     out = tmp_path / "hs"
     out.mkdir()
-    probe = make_probe(out, clock=clock, use_watchdog=False, reconcile_every_s=30.0, poll_every_s=5.0)
+    probe = make_probe(out, clock=clock, use_inotify=False, reconcile_every_s=30.0, poll_every_s=5.0)
     o = probe.collect()
     assert o.watch_mode == "polling" and o.watch_error is None
     write(out / "d" / "x.ckpt", 1)
@@ -163,7 +167,7 @@ def test_unchanged_directories_are_not_listed_again(tmp_path, clock, make_probe,
     old = time.time() - 3600
     for d in [out, *out.iterdir()]:
         os.utime(d, (old, old))
-    probe = make_probe(out, clock=clock, use_watchdog=False, full_every=1000)
+    probe = make_probe(out, clock=clock, use_inotify=False, full_every=1000)
     assert probe.collect().file_count == 30
     listed: list[str] = []
     real_scandir = os.scandir
@@ -186,7 +190,7 @@ def test_racy_listing_is_not_trusted(tmp_path, clock, make_probe):
     # was; simulate that by putting the old mtime back.
     out = tmp_path / "hs"
     write(out / "a.ckpt", 1)
-    probe = make_probe(out, clock=clock, use_watchdog=False, full_every=1000)
+    probe = make_probe(out, clock=clock, use_inotify=False, full_every=1000)
     assert probe.collect().file_count == 1
     st = os.stat(out)
     write(out / "b.ckpt", 1)
@@ -201,7 +205,7 @@ def test_full_reconcile_catches_rewrite_of_a_cold_file(tmp_path, clock, make_pro
     old = time.time() - 3600
     os.utime(out / "a.ckpt", (old, old))
     os.utime(out, (old, old))
-    probe = make_probe(out, clock=clock, use_watchdog=False, full_every=2)
+    probe = make_probe(out, clock=clock, use_inotify=False, full_every=2)
     assert probe.collect().total_bytes == 1
     with open(out / "a.ckpt", "wb") as f:  # rewritten in place: the directory does not change
         f.write(b"q" * 50)
@@ -284,7 +288,7 @@ def test_network_filesystem_polls(tmp_path, clock, make_probe):
     assert fs_type(out, roots) == "nfs4" and is_network_fs("nfs4") and not is_network_fs("ext4")
     probe = make_probe(out, clock=clock, roots=roots)
     o = probe.collect()
-    assert o.watch_mode == "polling" and o.fs_type == "nfs4" and probe._observer is None
+    assert o.watch_mode == "polling" and o.fs_type == "nfs4" and probe._watch is None
 
 
 def test_mountinfo_escapes_and_longest_prefix(tmp_path):
@@ -301,33 +305,43 @@ def test_mountinfo_escapes_and_longest_prefix(tmp_path):
     assert fs_type("/mnt/mydata", roots) == "ext4"
 
 
-def test_close_stops_the_watch_threads(tmp_path, clock):
+def test_close_releases_the_inotify_descriptor(tmp_path, clock):
     out = tmp_path / "hs"
     out.mkdir()
     probe = OutputsProbe(out, clock=clock)
     assert probe.collect().watch_mode == "inotify"
-    obs = probe._observer
+    fd = probe._watch.fd
+    assert os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:inotify"
     probe.close()
-    assert not obs.is_alive() and probe._observer is None
+    assert probe._watch is None
+    assert not os.path.exists(f"/proc/self/fd/{fd}") or \
+        os.readlink(f"/proc/self/fd/{fd}") != "anon_inode:inotify"
     probe.close()  # idempotent
+
+
+def test_no_thread_is_started_to_watch(tmp_path, clock):
+    """The queue is drained on the tick: watching costs no thread (watchdog's observer ran three)."""
+    out = tmp_path / "hs"
+    out.mkdir()
+    before = threading.active_count()
+    probe = OutputsProbe(out, clock=clock)
+    write(out / "a.ckpt", 1)
+    assert probe.collect().watch_mode == "inotify"
+    write(out / "sub" / "b.ckpt", 2)
+    o = probe.collect()
+    assert (o.file_count, o.total_bytes) == (2, 3)  # from events: the clock did not move
+    assert o.reconciliations == 1 and threading.active_count() == before
+    probe.close()
 
 
 def test_watch_failure_falls_back_to_polling(tmp_path, clock, make_probe, monkeypatch):
     out = tmp_path / "hs"
     write(out / "a.ckpt", 1)
-    import watchdog.observers
 
-    class Broken:
-        def schedule(self, *a, **kw):
-            raise OSError(28, "inotify watch limit reached")
+    def broken(*a, **kw):
+        raise OSError(28, "inotify watch limit reached")
 
-        def stop(self):
-            pass
-
-        def is_alive(self):
-            return False
-
-    monkeypatch.setattr(watchdog.observers, "Observer", Broken)
+    monkeypatch.setattr(outputs_mod, "InotifyWatch", broken)
     o = make_probe(out, clock=clock).collect()
     assert o.watch_mode == "polling" and "watch limit" in o.watch_error and o.file_count == 1
 

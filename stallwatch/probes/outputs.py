@@ -1,8 +1,8 @@
 """The outputs probe: how many files the job has written, how big, and when the last one changed.
 
 Listing 10^5 files every tick is too slow, and a listing is the truth only at the moment it is
-taken. So: an in-memory index, fed between ticks by inotify events (the `watchdog` package) and
-corrected by a periodic reconciliation (a recursive scandir), which alone decides what is true.
+taken. So: an in-memory index, fed by inotify events drained on each tick (probes/inotify.py)
+and corrected by a periodic reconciliation (a recursive scandir), which alone decides what is true.
 A lost event, an inotify queue overflow, or a network filesystem where inotify sees nothing (other
 hosts' writes) can therefore leave the index wrong for at most one reconcile period.
 
@@ -14,15 +14,14 @@ changed files ("hot", a bounded set) are re-stat'ed every tick, and each reconci
 and re-stats a rotating share of the directories, all of them over `full_every` reconciliations,
 which also catches an old file rewritten in place (in slices, so 10^6 files cost no 3 s tick).
 
-Not thread-safe: the collector's DeadlineRunner never overlaps two calls; only the event queue is
-shared with the watchdog thread, under a lock.
+Not thread-safe: the collector's DeadlineRunner never overlaps two calls (the event queue keeps
+its lock for callers that feed it from elsewhere).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import heapq
-import logging
 import os
 import re
 import stat
@@ -36,6 +35,7 @@ from typing import Literal
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.model import Frozen
+from stallwatch.probes.inotify import InotifyWatch
 from stallwatch.roots import DEFAULT_ROOTS, Roots
 
 RACY_NS = 2_000_000_000  # FAT has 2 s mtimes; ext4/xfs are finer, NFS depends on the server
@@ -85,33 +85,6 @@ class OutputsObs(Frozen):
     last_reconcile_duration_s: float | None = None
     last_reconcile_age_s: float | None = None
     unreadable_dirs: int = 0  # in the last reconciliation
-
-
-# --- inotify queue overflow: watchdog only logs it, so listen to its log -----------------------
-
-_overflows = 0
-
-
-class _OverflowHint(logging.Handler):
-    """watchdog logs "Inotify queue overflowed" and carries on. Counting those lets us reconcile
-    at once instead of at the next period; the periodic reconciliation stays the safety net."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        global _overflows
-        if "overflow" in record.getMessage():
-            _overflows += 1
-
-
-_hint_lock = threading.Lock()
-_hint_installed = False
-
-
-def _install_overflow_hint() -> None:
-    global _hint_installed
-    with _hint_lock:
-        if not _hint_installed:
-            logging.getLogger("watchdog.observers.inotify_c").addHandler(_OverflowHint(logging.WARNING))
-            _hint_installed = True
 
 
 # --- filesystem type -------------------------------------------------------------------------
@@ -173,7 +146,7 @@ class OutputsProbe:
 
     def __init__(
         self, path: str | os.PathLike[str], clock: Clock = SYSTEM_CLOCK, reconcile_every_s: float = 30.0,
-        pattern: str | None = None, use_watchdog: bool = True, *, poll_every_s: float = 5.0,
+        pattern: str | None = None, use_inotify: bool = True, *, poll_every_s: float = 5.0,
         full_every: int = 10, recent_n: int = 16, hot_window_s: float = 60.0, max_hot: int = 256,
         roots: Roots = DEFAULT_ROOTS, name: str = "outputs",
     ) -> None:
@@ -186,19 +159,18 @@ class OutputsProbe:
         self.full_every = max(1, full_every)
         self.pattern = pattern
         self._match = re.compile(fnmatch.translate(pattern)).match if pattern else None
-        self.use_watchdog = use_watchdog
+        self.use_inotify = use_inotify
         self.recent_n, self.hot_window_s, self.max_hot = recent_n, hot_window_s, max_hot
         self.roots = roots
         self._lock = threading.Lock()
         self._pending: dict[str, None] = {}  # event paths, deduplicated, insertion-ordered
         self._pending_lost = False
         self._events_seen = 0
-        self._observer = None
+        self._watch: InotifyWatch | None = None
         self._watch_ident: tuple[int, int] | None = None
         self._watch_error: str | None = None
         self._fs_type: str | None = None
         self._fs_checked = False
-        self._seen_overflows = _overflows  # only overflows from now on concern us
         self._overflows = 0
         self._reconciles = self._reconcile_changes = self._unreadable = 0
         self._reconcile_dur: float | None = None
@@ -445,12 +417,12 @@ class OutputsProbe:
     # -- the inotify watch
 
     def _watching(self) -> bool:
-        obs = self._observer
-        return obs is not None and obs.is_alive() and all(e.is_alive() for e in obs.emitters)
+        w = self._watch
+        return w is not None and w.alive
 
     def _ensure_watch(self, ident: tuple[int, int]) -> bool:
         """Start (or restart) the watch; True when it was (re)started, so events may be missing."""
-        if not self.use_watchdog:
+        if not self.use_inotify:
             return False
         if not self._fs_checked:
             self._fs_checked = True
@@ -460,51 +432,31 @@ class OutputsProbe:
         if self._watching() and self._watch_ident == ident:
             return False
         self._stop_watch()
-        from watchdog.events import (
-            DirCreatedEvent, DirDeletedEvent, DirMovedEvent, FileClosedEvent, FileCreatedEvent,
-            FileDeletedEvent, FileMovedEvent, FileSystemEventHandler,
-        )
-        from watchdog.observers import Observer
-
-        probe = self
-
-        class Handler(FileSystemEventHandler):
-            def on_any_event(self, event) -> None:  # the watchdog thread: only queue the paths
-                probe._enqueue(os.fsdecode(event.src_path), os.fsdecode(getattr(event, "dest_path", "") or ""))
-
-        # Directory "modified" events come with every file created in them: leave them out.
-        # File "modified" (IN_MODIFY, one per write(2), and IN_ATTRIB) too: each event wakes
-        # watchdog's three threads, and a file's writes are seen anyway — re-stat'ed every tick
-        # while hot (from its creation on, for as long as it keeps changing), at its close
-        # (IN_CLOSE_WRITE), or by the periodic reconciliation (bench/: docs/performance.md).
-        kinds = [
-            FileCreatedEvent, FileDeletedEvent, FileMovedEvent, FileClosedEvent,
-            DirCreatedEvent, DirDeletedEvent, DirMovedEvent,
-        ]
-        _install_overflow_hint()
-        obs = None
         try:
-            obs = Observer()
-            obs.schedule(Handler(), self._base, recursive=True, event_filter=kinds)
-            obs.start()
+            self._watch = InotifyWatch(self._base)
         except Exception as e:  # noqa: BLE001 - ENOSPC (watch limit), EMFILE (instances), ...
             self._watch_error = f"inotify unavailable, polling: {type(e).__name__}: {e}"
-            if obs is not None:
-                self._observer = obs
-                self._stop_watch()
             return False
-        self._observer, self._watch_ident, self._watch_error = obs, ident, None
+        self._watch_ident, self._watch_error = ident, None
         return True
 
+    def _drain_watch(self) -> bool:
+        """Queue what the kernel said since the last tick; True when events were lost."""
+        w = self._watch
+        if w is None:
+            return False
+        paths = w.drain()
+        if paths:
+            self._enqueue(*paths)
+        lost, w.lost = w.lost, False
+        if w.error:
+            self._watch_error = w.error
+        return lost
+
     def _stop_watch(self) -> None:
-        obs, self._observer, self._watch_ident = self._observer, None, None
-        if obs is not None:
-            try:
-                obs.stop()
-                if obs.is_alive():
-                    obs.join(timeout=5)
-            except Exception:  # noqa: BLE001 - stopping a broken observer must not fail a tick
-                pass
+        w, self._watch, self._watch_ident = self._watch, None, None
+        if w is not None:
+            w.close()
 
     def close(self) -> None:
         self._stop_watch()
@@ -538,12 +490,9 @@ class OutputsProbe:
         self._root_ident = ident
         restarted = self._ensure_watch(ident)
         period = self.reconcile_every_s if self._watching() else min(self.reconcile_every_s, self.poll_every_s)
+        lost_events = self._drain_watch()
         with self._lock:
-            lost, self._pending_lost = self._pending_lost, False
-        if _overflows != self._seen_overflows:
-            # The log does not say whose queue overflowed: every watching probe reconciles.
-            lost = lost or self._watching()
-            self._seen_overflows = _overflows
+            lost, self._pending_lost = self._pending_lost or lost_events, False
         self._overflows += lost
         due = self._initial or lost or restarted or self._last_reconcile is None or now - self._last_reconcile >= period
         if due:
