@@ -186,6 +186,9 @@ server = "{url}"
 restart = "on-failure"
 max_restarts = 100000
 restart_backoff_s = 1
+# A fault a minute compresses hours into minutes: a run that stayed up 20 s between two faults
+# is what a 10-minute healthy run is on a real job (the default restart_reset_after_s).
+restart_reset_after_s = 20
 kill_grace_s = 3
 """)
     cfg.chmod(0o600)
