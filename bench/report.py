@@ -34,23 +34,11 @@ def _pair(s: dict[str, Any], a: str = "median", b: str = "p99") -> str:
     return f"{_f(s.get(a))} / {_f(s.get(b))}"
 
 
-def render(res: dict[str, Any]) -> str:
+def overhead_md(ov: dict[str, Any], title: str) -> list[str]:
     parts: list[str] = []
-    m = res["machine"]
-    parts.append(
-        f"Run: `{res.get('command')}` ({res['mode']}), {res.get('started')}, {res.get('duration_s')} s; "
-        f"{m['nproc']} × {m['cpu_model']}, kernel {m['kernel']}, Python {m['python']}, "
-        f"{m['mem_total_gib']} GiB, {m['processes_on_host']} processes on the host; load average "
-        f"{res.get('load_at_start')} at the start, {res.get('load_at_end')} at the end; baseline: "
-        f"{res.get('baseline')}.")
-    parts.append("### Targets\n\n" + md(
-        ["target", "bound", "measured", "met", "note"],
-        [[t["target"], t["bound"], t["measured"], t["met"] if t["met"] is not None else "–", t["note"]]
-         for t in res.get("targets", [])]))
-    ov = res.get("overhead") or {}
     if ov.get("rows"):
         parts.append(
-            f"### Overhead ({ov['interval_s']:g} s interval, {ov['window_s']:g} s window in "
+            f"### {title} ({ov['interval_s']:g} s interval, {ov['window_s']:g} s window in "
             f"{ov['subwindows']} sub-windows after {ov['warmup_s']:g} s; load {ov.get('load_at_start')} → "
             f"{ov.get('load_at_end')})\n\n" + md(
                 ["who", "CPU ms per tick", "median of sub-windows (p90)", "% of one core", "× floor",
@@ -65,6 +53,8 @@ def render(res: dict[str, Any]) -> str:
             parts.append("Peers: " + "; ".join(f"{k}: {json.dumps(v)}" for k, v in peers.items())
                          + f"; versions {json.dumps((ov.get('peers_venv') or {}).get('versions'))}.")
         bt = ov.get("by_thread_ms_per_tick") or {}
+        if bt and all(g.startswith("tid ") or g.startswith("threads ") for n in bt for g in bt[n]):
+            bt = {}  # no names (py-spy absent on that host): a list of thread ids says nothing
         if bt:
             names = list(bt)
             groups = list(dict.fromkeys(g for n in names for g in bt[n]))
@@ -72,6 +62,23 @@ def render(res: dict[str, Any]) -> str:
                          "names from `py-spy dump`):\n\n" + md(
                              ["thread", *[f"`{n}`" for n in names]],
                              [[g, *[bt[n].get(g) for n in names]] for g in groups]))
+    return parts
+
+
+def render(res: dict[str, Any]) -> str:
+    parts: list[str] = []
+    m = res["machine"]
+    parts.append(
+        f"Run: `{res.get('command')}` ({res['mode']}), {res.get('started')}, {res.get('duration_s')} s; "
+        f"{m['nproc']} × {m['cpu_model']}, kernel {m['kernel']}, Python {m['python']}, "
+        f"{m['mem_total_gib']} GiB, {m['processes_on_host']} processes on the host; load average "
+        f"{res.get('load_at_start')} at the start, {res.get('load_at_end')} at the end; baseline: "
+        f"{res.get('baseline')}.")
+    parts.append("### Targets\n\n" + md(
+        ["target", "bound", "measured", "met", "note"],
+        [[t["target"], t["bound"], t["measured"], t["met"] if t["met"] is not None else "–", t["note"]]
+         for t in res.get("targets", [])]))
+    parts += overhead_md(res.get("overhead") or {}, "Overhead")
     tk = res.get("tick") or {}
     if tk:
         parts.append("### In-process tick (collector + features + rules; healthy job; ms)\n\n" + md(
@@ -135,6 +142,21 @@ def render(res: dict[str, Any]) -> str:
               t["gpu_probe_slow_path_ms"].get("median"), _pair(t["gpu_beyond_processes_ms"]),
               _pair(t["gpu_beyond_processes_slow_path_ms"], "median", "max"), _pair(t["tick_ms"])]
              for t in gp["traces"]]))
+    live = gp.get("live") or {}
+    if live.get("nvml"):
+        nv = live["nvml"]
+        rows = []
+        for path, what in (("fast", "every tick"), ("slow", "every 10 s, off the tick")):
+            r = nv[path]
+            for who in ("stallwatch", "floor"):
+                rows.append([f"{path} ({what})", f"`{who}`", r["calls"], _pair(r[who]["cpu_ms"], "mean", "p99"),
+                             _pair(r[who]["wall_ms"]), r["x_floor_cpu"] if who == "stallwatch" else ""])
+        parts.append(f"### GPU probe, live on {live['gpu']} (ms per call)\n\n" + md(
+            ["path", "who", "calls", "CPU mean / p99", "wall p50 / p99", "× floor CPU"], rows))
+    elif gp and "live" in gp:
+        parts.append(f"GPU probe, live: no GPU on this machine ({live.get('gpu')}).")
+    if live.get("overhead"):
+        parts += overhead_md(live["overhead"], "Overhead on the GPU host, watching a real GPU job")
     return "\n\n".join(parts) + "\n"
 
 
