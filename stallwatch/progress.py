@@ -13,6 +13,7 @@ what progress looks like, so guessing would only add false positives.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Literal
 
@@ -62,6 +63,8 @@ def _num(text: str) -> int | float:
     if t and t[-1] in "kMGTPEZY":
         mult, t = _SI[t[-1]], t[:-1]
     v = float(t) * mult
+    if not math.isfinite(v):  # "10e308", "nan": no counter reads that (found by fuzzing)
+        raise ValueError(f"not a finite number: {text!r}")
     return int(v) if v.is_integer() and abs(v) < 2**63 else v
 
 
@@ -142,6 +145,13 @@ def _postfix(text: str | None) -> dict[str, PostfixValue]:
 def parse_tqdm(line: str) -> ProgressEvent | None:
     if not _TQDM_HINT.search(line):
         return None
+    try:
+        return _parse_tqdm(line)
+    except ValueError:  # a counter of 400 digits reads as inf: not a bar
+        return None
+
+
+def _parse_tqdm(line: str) -> ProgressEvent | None:
     m = _TQDM_TOTAL.search(line)
     if m:
         n_txt, total_txt = m["n"], m["total"]

@@ -277,7 +277,8 @@ def test_a_100_mb_line_costs_bounded_time_and_memory(tmp_path: Path) -> None:
                 done = snap
                 break
         assert done is not None, "never reached the line after the 100 MB one"
-        assert done.log.overlong_lines >= 1
+        # jumped over (more than 4 tick budgets behind), or read and cut as overlong
+        assert done.log.skipped_backlog_bytes > 0 or done.log.overlong_lines >= 1
         grew_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
         assert grew_mb < 64, f"peak RSS grew {grew_mb:.0f} MB reading a 100 MB line"
         print(f"100 MB line: caught up in {time.monotonic() - t0:.1f} s, RSS +{grew_mb:.0f} MB")

@@ -172,10 +172,13 @@ def test_runaway_line_keeps_memory_bounded(tmp_path, clock):
     assert o.backlog_bytes == 0 and o.offset_bytes == 100 << 20
     assert peak < 8 << 20, f"peak {peak} bytes while following a 100 MiB line"
     assert len(probe.follower._partial) <= 64 * 1024
+    # 100 MiB is more than 4 tick budgets (32 MiB): all but the newest 8 MiB were jumped over,
+    # mid-line, so the rest of that line is dropped up to its end.
+    assert o.skipped_backlog_bytes == 92 << 20
     append(log, "\nsample 5/10\n")
     o = probe.collect()
-    assert o.overlong_lines == 1 and o.progress.done == 5
-    assert o.tail[-2] == "z" * probe.TAIL_LINE_CHARS and o.tail[-1] == "sample 5/10"
+    assert o.progress.done == 5 and o.tail[-1] == "sample 5/10"
+    assert not any(line.startswith("z") for line in o.tail)
 
 
 def test_chunk_budget_and_cost_of_new_bytes_only(tmp_path, clock):
@@ -449,3 +452,24 @@ def test_gaps_far_apart_do_not_count_as_recurring(tmp_path, clock):
     clock.advance(40)
     o = _steady(probe, log, clock, 100, 1, step_s=0.0)
     assert o.cadence_s.max_s == 1.0 and o.cadence_s.outliers == 2
+
+
+def test_a_log_growing_faster_than_it_is_read_is_caught_up_not_lagged(tmp_path, clock):
+    """Past 4 tick budgets of backlog the follower jumps to the newest bytes: a job that stops
+    must not look alive for as long as a flood of old lines takes to read."""
+    log = tmp_path / "job.log"
+    append(log, "step 1/1000\n")
+    probe = LogProbe(log, clock=clock, chunk_budget_bytes=4096)
+    assert probe.collect().progress.done == 1
+    for i in range(2, 900):  # ~10 KiB: within 4 budgets (16 KiB), read in slices
+        append(log, f"step {i}/1000\n")
+    clock.advance(1)
+    o = probe.collect()
+    assert o.skipped_backlog_bytes == 0 and o.backlog_bytes > 0 and o.progress.done < 899
+    append(log, "".join(f"debug line {i} " + "x" * 80 + "\n" for i in range(2000)))  # ~190 KiB
+    append(log, "step 900/1000\n")
+    clock.advance(1)
+    o = probe.collect()
+    assert o.progress.done == 900 and o.backlog_bytes == 0
+    assert o.skipped_backlog_bytes > 150_000
+    assert all(not line.startswith("step") or line == "step 900/1000" for line in o.tail[-3:])

@@ -328,3 +328,15 @@ def test_event_json_round_trip():
     ev = parse_progress(SPECFORGE)
     again = ProgressEvent.model_validate_json(ev.model_dump_json())
     assert again == ev and isinstance(again.done, int) and again.postfix["processed"] == 18380
+
+
+def test_counters_too_big_for_a_float_are_not_progress():
+    """Found by fuzzing: `10e308` matched a user regex and read as done = inf; a tqdm counter of
+    400 digits too. Neither is a counter: no event, rather than an infinite one."""
+    import re as _re
+
+    from stallwatch.progress import parse_regex, parse_tqdm
+
+    assert parse_regex("10e308", _re.compile(r"(?P<done>[\d.e+-]+)")) is None
+    assert parse_tqdm("x: 10%|#| " + "9" * 400 + "/" + "9" * 401 + " [00:01<00:02, 1.00it/s]") is None
+    assert parse_tqdm("x: 10%|#| 5/10 [00:01<00:02, 1.00it/s]").done == 5

@@ -74,6 +74,9 @@ class LogFollower:
         self._vanished = False  # seen absent after we knew it
         self.rotations = self.truncations = self.overlong_lines = 0
         self.bytes_read_total = self.lines_total = self.skipped_hole_bytes = 0
+        self.skipped_backlog_bytes = 0
+        # Beyond this backlog the follower jumps to the newest bytes (_catch_up).
+        self.max_backlog_bytes = 4 * chunk_budget_bytes
 
     def poll(self) -> FollowResult:
         try:
@@ -124,6 +127,8 @@ class LogFollower:
             self._restart()
         self.ident, self.size, self._vanished = ident, st.st_size, False
         self._skip_hole(fd, st.st_size)
+        if not res.first:
+            self._catch_up(fd, st.st_size)
         while budget > 0 and self.offset < st.st_size:
             data = os.pread(fd, min(self.read_size, budget), self.offset)
             if not data:
@@ -151,6 +156,19 @@ class LogFollower:
         """The bytes just before our offset are still those we read: one small pread a tick."""
         n = len(self._fingerprint)
         return n == 0 or os.pread(fd, n, self.offset - n) == self._fingerprint
+
+    def _catch_up(self, fd: int, size: int) -> None:
+        # A log growing faster than a tick's budget is read (a debug flood: the bench's 20 MB/s
+        # of tqdm redraws costs ~1 s of CPU per 8 MiB read) would leave us further behind every
+        # tick, and a stall would show only once the backlog drained, hours later. Jump to the
+        # newest bytes instead; what is jumped over is counted, never parsed.
+        if size - self.offset <= self.max_backlog_bytes:
+            return
+        new = size - self.chunk_budget_bytes
+        self.skipped_backlog_bytes += new - self.offset
+        self.offset = new
+        self._partial.clear()
+        self._dropping = "cut" if os.pread(fd, 1, new - 1) not in (b"\n", b"\r") else None
 
     def _skip_hole(self, fd: int, size: int) -> None:
         # A writer without O_APPEND keeps its offset across copytruncate and leaves a hole of
@@ -227,6 +245,7 @@ class LogObs(Frozen):
     device: int | None = None
     offset_bytes: int = 0
     backlog_bytes: int = 0  # not read yet: over the per-tick budget
+    skipped_backlog_bytes: int = 0  # jumped over, never read: the log grew faster than we read
     read_bytes: int = 0  # this tick
     read_bytes_total: int = 0
     lines_total: int = 0
@@ -503,6 +522,7 @@ class LogProbe:
             size_bytes=r.size if ok else None, mtime_epoch_s=r.mtime_s if ok else None,
             inode=r.ident[1] if ok and r.ident else None, device=r.ident[0] if ok and r.ident else None,
             offset_bytes=f.offset, backlog_bytes=max(0, (r.size or 0) - f.offset) if ok else 0,
+            skipped_backlog_bytes=f.skipped_backlog_bytes,
             read_bytes=r.read_bytes, read_bytes_total=f.bytes_read_total, lines_total=f.lines_total,
             rotations=f.rotations, truncations=f.truncations, overlong_lines=f.overlong_lines,
             last_growth_age_s=None if self._last_growth is None else max(0.0, now - self._last_growth),
