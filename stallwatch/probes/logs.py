@@ -56,7 +56,7 @@ class FollowResult:
 class LogFollower:
     def __init__(
         self, path: str | os.PathLike[str], *, max_line_bytes: int = 64 * 1024,
-        initial_tail_bytes: int = 1 << 20, chunk_budget_bytes: int = 8 << 20, read_size: int = 1 << 20,
+        initial_tail_bytes: int = 1 << 20, chunk_budget_bytes: int = 2 << 20, read_size: int = 1 << 20,
     ) -> None:
         self.path = os.fspath(path)
         self.max_line_bytes = max_line_bytes
@@ -158,10 +158,10 @@ class LogFollower:
         return n == 0 or os.pread(fd, n, self.offset - n) == self._fingerprint
 
     def _catch_up(self, fd: int, size: int) -> None:
-        # A log growing faster than a tick's budget is read (a debug flood: the bench's 20 MB/s
-        # of tqdm redraws costs ~1 s of CPU per 8 MiB read) would leave us further behind every
-        # tick, and a stall would show only once the backlog drained, hours later. Jump to the
-        # newest bytes instead; what is jumped over is counted, never parsed.
+        # A log growing faster than a tick's budget is read (a debug flood: parsing costs ~0.1 s
+        # of CPU per MiB of tqdm redraws, so the budget is 2 MiB a tick) would leave us further
+        # behind every tick, and a stall would show only once the backlog drained, hours later.
+        # Jump to the newest bytes instead; what is jumped over is counted, never parsed.
         if size - self.offset <= self.max_backlog_bytes:
             return
         new = size - self.chunk_budget_bytes
@@ -288,7 +288,7 @@ class LogProbe:
     def __init__(
         self, path: str | os.PathLike[str], progress_regex: str | None = None, clock: Clock = SYSTEM_CLOCK,
         tail_lines: int = 20, max_line_bytes: int = 64 * 1024, initial_tail_bytes: int = 1 << 20,
-        chunk_budget_bytes: int = 8 << 20, rate_window_s: float = 120.0, name: str = "log",
+        chunk_budget_bytes: int = 2 << 20, rate_window_s: float = 120.0, name: str = "log",
     ) -> None:
         self.name = name  # DeadlineRunner keys in-flight calls by name: one per job's log
         self.parser = ProgressParser(progress_regex)  # raises ValueError for a bad regex, up front
