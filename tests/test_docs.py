@@ -216,10 +216,11 @@ def test_configuration_md_names_no_unknown_keys() -> None:
 # The pages this test owns; the other pages have owners of their own (a link there to a page
 # still being written is theirs to fix).
 PAGES = sorted([DOCS / "README.md", DOCS / "guide.md", DOCS / "configuration.md",
-                DOCS / "rules.md", *RUNBOOKS.glob("*.md")])
+                DOCS / "rules.md", DOCS / "performance.md", DOCS / "reliability.md",
+                *RUNBOOKS.glob("*.md")])
 # Written alongside their features (the demo command, the benchmark suite): links to them are
 # expected before they land.
-IN_PROGRESS = ("demo.md", "performance.md")
+IN_PROGRESS: tuple[str, ...] = ()
 
 
 def _anchors(page: Path) -> set[str]:
