@@ -399,3 +399,39 @@ def test_last_ran_age_reads_history_a_one_shot_cannot_watch():
     assert second.last_ran_age_s >= first.last_ran_age_s + 0.25
     assert all(t.last_ran_age_s >= 0.25 for t in second.threads)
     assert busy.last_ran_age_s == 0.0
+
+
+def test_new_descendants_found_from_the_kernels_children_lists(tmp_path):
+    """Between full scans the tree is walked through /proc/PID/task/TID/children: a grandchild
+    forked by a worker thread after the first look is in the very next collect, without a scan
+    of every process on the host (the injected clock keeps the full scan from being due)."""
+    if not os.path.isfile(f"/proc/{os.getpid()}/task/{os.getpid()}/children"):
+        pytest.skip("this kernel has no /proc/PID/task/TID/children (CONFIG_PROC_CHILDREN)")
+    go = tmp_path / "go"
+    script = ("import os, subprocess, sys, threading, time\n"
+              f"go = {str(go)!r}\n"
+              "def worker():\n"
+              "    while not os.path.exists(go): time.sleep(0.01)\n"
+              "    p = subprocess.Popen(['sleep', '600'])\n"
+              "    print(p.pid, flush=True)\n"
+              "    time.sleep(600)\n"
+              "threading.Thread(target=worker).start()\n")
+    clock = FakeClock()
+    with spawned([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as proc:
+        probe = ProcessesProbe(Target(pids=(proc.pid,)), clock=clock)
+        first = probe.collect()  # the first look is a full scan
+        assert [p.pid for p in first.processes] == [proc.pid]
+        full_at = probe._full_scan_at
+        go.write_text("")
+        kid = int(proc.stdout.readline())
+        obs = probe.collect()
+        assert probe._full_scan_at == full_at  # not a full scan
+        assert kid in [p.pid for p in obs.processes] and only(obs, kid).ppid == proc.pid
+        os.kill(kid, 9)
+        wait_until(lambda: subprocess.run(["ps", "-o", "stat=", "-p", str(kid)],
+                                          capture_output=True, text=True).stdout.strip()[:1] in ("Z", ""), 10)
+        obs = probe.collect()
+        assert kid not in [p.pid for p in obs.processes if p.state != "Z"]
+        clock.advance(ProcessesProbe.FULL_SCAN_EVERY_S)
+        probe.collect()
+        assert probe._full_scan_at == clock.monotonic()  # and the full scan still comes round
