@@ -3,9 +3,9 @@
 
     python bench/floor.py --pid PID --log LOG --outputs DIR [--interval 1] [--duration S]
 
-Per tick, like stallwatch's probes (no GPU here, no server): every /proc/*/stat (to find the
-job's descendants), and for each process of the job's tree its task list, each thread's stat,
-status (and wchan, syscall, stack, sched when it is off-CPU), the process's status, io, cwd,
+Per tick, like stallwatch's probes (no GPU here, no server): the job's descendants (every
+/proc/*/stat every 10 s, the kernel's per-thread `children` lists in between), and for each
+process of the job's tree its task list, each thread's stat, status (and wchan, syscall, stack, sched when it is off-CPU), the process's status, io, cwd,
 fd table (readlink of each fd, fdinfo of regular files), socket tables when it holds sockets;
 /proc/uptime; the log's new bytes (open, fstat, pread from the remembered offset, close);
 /dev/kmsg's new records; mountinfo, diskstats, the sysfs entries of the watched paths' block
@@ -182,20 +182,42 @@ class Floor:
         except OSError:
             self.kmsg = None
         self.bytes_read = 0
+        self.full_scan_at = -1e18
 
     # -- processes
+    FULL_SCAN_EVERY_S = 10.0  # as stallwatch's processes probe
+
     def tick_processes(self) -> set[str]:
         children: dict[int, list[int]] = {}
         starts: dict[int, bytes] = {}
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            b = read(f"/proc/{name}/stat")
-            if not b:
-                continue
-            rest = b[b.rfind(b")") + 2:].split()
-            children.setdefault(int(rest[1]), []).append(int(name))
-            starts[int(name)] = rest[19]
+        now = time.monotonic()
+        if now - self.full_scan_at >= self.FULL_SCAN_EVERY_S:
+            # every /proc/*/stat, for the ppids: the way new descendants are found every 10 s
+            self.full_scan_at = now
+            for name in os.listdir("/proc"):
+                if not name.isdigit():
+                    continue
+                b = read(f"/proc/{name}/stat")
+                if not b:
+                    continue
+                rest = b[b.rfind(b")") + 2:].split()
+                children.setdefault(int(rest[1]), []).append(int(name))
+                starts[int(name)] = rest[19]
+        else:
+            # between scans, the kernel's children lists of the tree's threads
+            todo = [self.pid]
+            while todo:
+                p = todo.pop()
+                if p in starts:
+                    continue
+                b = read(f"/proc/{p}/stat")
+                if not b:
+                    continue
+                starts[p] = b[b.rfind(b")") + 2:].split()[19]
+                for t in listdir(f"/proc/{p}/task"):
+                    kids = [int(k) for k in (read(f"/proc/{p}/task/{t}/children") or b"").split()]
+                    children.setdefault(p, []).extend(kids)
+                    todo += kids
         tree, todo = [], [self.pid]
         while todo:
             p = todo.pop(0)
