@@ -5,8 +5,8 @@
 
 Per tick, like stallwatch's probes (no GPU here, no server): the job's descendants (every
 /proc/*/stat every 10 s, the kernel's per-thread `children` lists in between), and for each
-process of the job's tree its task list, each thread's stat, status (and wchan, syscall, stack, sched when it is off-CPU), the process's status, io, cwd,
-fd table (readlink of each fd, fdinfo of regular files), socket tables when it holds sockets;
+process of the job's tree its task list, each thread's stat, status (and wchan, syscall, stack,
+sched when it is off-CPU), the process's status, io, cwd, fd table (readlink of each fd, fdinfo of regular files), socket tables when it holds sockets;
 /proc/uptime; the log's new bytes (open, fstat, pread from the remembered offset, close);
 /dev/kmsg's new records; mountinfo, diskstats, the sysfs entries of the watched paths' block
 devices, statvfs of each watched path and /dev/shm (and its listing); the outputs directory's
