@@ -111,6 +111,8 @@ def parse_status(text: str) -> Status:
         )
     except KeyError as e:
         raise ValueError(f"status lacks {e}") from None
+    except IndexError:  # "Uid:" with nothing after it
+        raise ValueError("status has an empty Uid line") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +223,9 @@ def parse_btime(text: str) -> int:
     """Boot time in Unix seconds, from /proc/stat."""
     for line in text.splitlines():
         if line.startswith("btime "):
-            return int(line.split()[1])
+            parts = line.split()
+            if len(parts) >= 2:  # "btime " alone (found by fuzzing): not a boot time
+                return int(parts[1])
     raise ValueError("no btime in /proc/stat")
 
 
@@ -297,6 +301,8 @@ def parse_net_tcp(text: str, byteorder: str = sys.byteorder) -> tuple[TcpSocket,
         if len(f) < 10:
             continue
         local, remote = f[1].split(":"), f[2].split(":")
+        if len(local) != 2 or len(remote) != 2:
+            raise ValueError(f"not an address:port pair in {line!r}")
         tx, rx = f[4].split(":")
         state = int(f[3], 16)
         out.append(TcpSocket(

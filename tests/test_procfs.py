@@ -277,3 +277,20 @@ def test_sched_exec_start_from_a_real_capture():
     assert v == pytest.approx(want / 1000.0)
     assert procfs.parse_sched_exec_start_s("nr_switches : 3\n") is None
     assert procfs.parse_uptime_s("917.16 1513.45\n") == 917.16
+
+
+def test_malformed_lines_found_by_fuzzing_are_value_errors():
+    """Each of these raised IndexError, which no caller expects (the processes probe turns a
+    ValueError into an unreadable field)."""
+    import pytest as _pytest
+
+    from stallwatch import procfs as _procfs
+
+    with _pytest.raises(ValueError):
+        _procfs.parse_btime("btime \n")
+    with _pytest.raises(ValueError):
+        _procfs.parse_status("Name:\tx\nTgid:\t1\nPPid:\t0\nUid:\nvoluntary_ctxt_switches:\t1\n"
+                             "nonvoluntary_ctxt_switches:\t1\n")
+    with _pytest.raises(ValueError):
+        _procfs.parse_net_tcp("header\n 0: 0100007F 0100007F:1F90 0A 00000000:00000000 00:00000000 "
+                              "00000000 0 0 12345\n")
