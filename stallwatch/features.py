@@ -76,6 +76,8 @@ def features(snap: Snapshot) -> dict[str, Any]:
     threads = [(p, t) for p in procs for t in p.threads]
     threshold, threshold_why = stall_threshold_s(snap)
     server_port = snap.server.port if snap.server else _port_of(snap.target.server)
+    job_pids = {p.pid for p in procs}
+    mine = _pipeline_gpus(snap, job_pids)  # the GPUs gpu_fault looks at (None: all of them)
     v: dict[str, Any] = {
         "now_wall": snap.t_wall,
         "stall_threshold_s": threshold,
@@ -84,11 +86,11 @@ def features(snap: Snapshot) -> dict[str, Any]:
         "proc": _proc(procs, threads),
         "log": _log(snap),
         "outputs": _outputs(snap),
-        "gpu": _gpu(snap, {p.pid for p in procs}, _server_pids(snap)),
+        "gpu": _gpu(snap, job_pids, mine),
         "server": {**_server(snap), **_ranks(snap)},
         "client": _client(procs, threads, server_port),
         "disk": _disk(snap),
-        "kernel": _kernel(snap, procs, _pipeline_pcis(snap, {p.pid for p in procs})),
+        "kernel": _kernel(snap, procs, _pcis_of(snap, mine)),
         "probes": {r.name: r.status.value for r in snap.probes},
         "probe_errors": [f"{r.name}: {r.status.value}: {r.error}" for r in snap.probes
                          if r.status.value not in ("ok", "absent") and r.error],
@@ -309,15 +311,16 @@ def _norm_pci(bus_id: str) -> str:
     return bus_id.lower()
 
 
-def _pipeline_pcis(snap: Snapshot, job_pids: set[int]) -> set[str] | None:
-    mine = _pipeline_gpus(snap, job_pids)
+def _pcis_of(snap: Snapshot, mine: set[int] | None) -> set[str] | None:
+    """The PCI bus ids of those GPUs, as kernel Xid lines name them; None: every GPU."""
     if mine is None or snap.gpu is None:
         return None
     pcis = {_norm_pci(d.pci_bus_id) for d in snap.gpu.devices if d.index in mine and d.pci_bus_id}
     return pcis or None
 
 
-def _gpu(snap: Snapshot, job_pids: set[int], server_pids: set[int] = frozenset()) -> dict[str, Any]:
+def _gpu(snap: Snapshot, job_pids: set[int], mine: set[int] | None) -> dict[str, Any]:
+    """mine: the pipeline's GPUs (_pipeline_gpus), None when unknown."""
     g = snap.gpu
     devs = list(g.devices) if g and g.status == "ok" else []
     utils = [d.util_gpu_pct for d in devs if isinstance(d.util_gpu_pct, (int, float))]
@@ -330,7 +333,6 @@ def _gpu(snap: Snapshot, job_pids: set[int], server_pids: set[int] = frozenset()
                 job_gpus.add(d.index)
     # A fault on another tenant's GPU is not this pipeline's: on a shared 8-GPU node a job on
     # GPUs 0-1 must not be called gpu_fault (and left unrestarted) for an Xid on GPU 5.
-    mine = _pipeline_gpus(snap, job_pids)
     scoped = (lambda i: True) if mine is None else (lambda i: i in mine)
     # Corrected single-bit ECC is the hardware working as designed, and Xids 13, 31, 43 and 45
     # are raised by the application itself (an illegal access, a page fault, a killed context):

@@ -6,6 +6,7 @@ import os
 import shutil
 import time
 import tracemalloc
+from pathlib import Path
 
 import pytest
 
@@ -388,13 +389,19 @@ def _steady(probe, log, clock, start: int, n: int, step_s: float = 1.0) -> LogOb
     return o
 
 
-def test_a_one_off_long_gap_is_not_learned_as_rhythm(tmp_path, clock):
-    """A stall that ends on its own (a stopped server resumed) must not stretch the next
-    stall's threshold: the soak missed 4 of 10 stalls when 2 × that gap became the threshold."""
+def _started(tmp_path, clock) -> tuple[LogProbe, Path]:
+    """A probe that has read `sample 0/1000`: the job's first progress line."""
     log = tmp_path / "job.log"
     probe = LogProbe(log, clock=clock)
     append(log, "sample 0/1000\n")
     probe.collect()
+    return probe, log
+
+
+def test_a_one_off_long_gap_is_not_learned_as_rhythm(tmp_path, clock):
+    """A stall that ends on its own (a stopped server resumed) must not stretch the next
+    stall's threshold: the soak missed 4 of 10 stalls when 2 × that gap became the threshold."""
+    probe, log = _started(tmp_path, clock)
     _steady(probe, log, clock, 1, 10)
     clock.advance(45)  # the server was stopped for 45 s, then resumed
     o = _steady(probe, log, clock, 11, 1, step_s=0.0)
@@ -412,10 +419,7 @@ def test_a_one_off_long_gap_is_not_learned_as_rhythm(tmp_path, clock):
 
 def test_a_recurring_long_gap_is_learned_from_its_second_occurrence(tmp_path, clock):
     """An eval every tenth step is rhythm: the second 25 s gap enters the cadence."""
-    log = tmp_path / "job.log"
-    probe = LogProbe(log, clock=clock)
-    append(log, "sample 0/1000\n")
-    probe.collect()
+    probe, log = _started(tmp_path, clock)
     _steady(probe, log, clock, 1, 9)
     clock.advance(25)
     o = _steady(probe, log, clock, 10, 1, step_s=0.0)
@@ -428,10 +432,7 @@ def test_a_recurring_long_gap_is_learned_from_its_second_occurrence(tmp_path, cl
 
 def test_a_slower_pace_is_learned(tmp_path, clock):
     """A job that slows from 1 s to 30 s a step: the second slow step is already rhythm."""
-    log = tmp_path / "job.log"
-    probe = LogProbe(log, clock=clock)
-    append(log, "sample 0/1000\n")
-    probe.collect()
+    probe, log = _started(tmp_path, clock)
     _steady(probe, log, clock, 1, 10)
     o = _steady(probe, log, clock, 11, 2, step_s=30.0)
     assert o.cadence_s.max_s == 30.0
@@ -441,10 +442,7 @@ def test_a_slower_pace_is_learned(tmp_path, clock):
 
 def test_gaps_far_apart_do_not_count_as_recurring(tmp_path, clock):
     """Two stalls more than a ring's worth of intervals apart are two one-offs."""
-    log = tmp_path / "job.log"
-    probe = LogProbe(log, clock=clock)
-    append(log, "sample 0/1000\n")
-    probe.collect()
+    probe, log = _started(tmp_path, clock)
     _steady(probe, log, clock, 1, 10)
     clock.advance(40)
     _steady(probe, log, clock, 11, 1, step_s=0.0)

@@ -449,7 +449,6 @@ class GpuProbe:
                 for pid, (kinds, used) in sorted(by_pid.items())]
 
     def _slow(self, dev: _Device, errors: dict[str, str], now: float) -> None:
-        lib = self.nvml.lib
         sample: dict[str, Any] = {"at": now, "errors": {}}
         try:
             self._slow_sample(dev, sample["errors"], sample)

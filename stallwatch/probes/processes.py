@@ -2,8 +2,8 @@
 
 Each collect() reads the stat (ppid, start time) of the job's tree — found through the kernel's
 per-thread `children` lists, with a scan of every /proc/*/stat at the first look, every 10 s and
-for --match — resolves the targets, walks their descendants, and reads per process and per thread what a stall diagnosis needs: state letter,
-wait channel, syscall, kernel stack, context switches, CPU, I/O counters, open files and TCP
+for --match — resolves the targets, walks their descendants, and reads per process and per
+thread what a stall diagnosis needs: state letter, wait channel, syscall, kernel stack, context switches, CPU, I/O counters, open files and TCP
 sockets. The probe keeps a little state between ticks so that rules can stay stateless: how long
 each task has been in its state, in D, without a context switch, and without I/O.
 
@@ -379,7 +379,6 @@ class ProcessesProbe:
     def _scan_tree(self) -> dict[int, procfs.Stat] | None:
         """The stat of every member and explicit pid and of the children the kernel lists for
         their threads, recursively; None when a list cannot be read (then: a full scan)."""
-        proc = self._proc
         cache, self._stat_cache = self._stat_cache, {}
         stats: dict[int, procfs.Stat] = {}
         queue = list(dict.fromkeys([*self._explicit, *self._job, *(p for p, _ in self._members)]))
@@ -389,24 +388,19 @@ class ProcessesProbe:
             if pid in seen:
                 continue
             seen.add(pid)
-            name = str(pid)
-            try:
-                text = self.roots.read_text(f"{proc}/{name}/stat")
-            except (Absent, Denied):
+            st = self._read_stat(pid, cache)
+            if st is None:
                 continue
-            hit = cache.get(name)
-            st = hit[1] if hit is not None and hit[0] == text else procfs.parse_stat(text)
-            self._stat_cache[name] = (text, st)
             stats[pid] = st
             try:
-                tids = self.roots.listdir(f"{proc}/{name}/task")
+                tids = self.roots.listdir(f"{self._pd(pid)}/task")
             except Absent:
                 continue  # exited meanwhile
             except Denied:
                 return None
             for tid in tids:
                 try:
-                    kids = self.roots.read_text(f"{proc}/{name}/task/{tid}/children")
+                    kids = self.roots.read_text(f"{self._pd(pid, tid)}/children")
                 except Absent:
                     continue
                 except Denied:
@@ -416,21 +410,27 @@ class ProcessesProbe:
 
     def _scan_all(self) -> dict[int, procfs.Stat]:
         stats = {}
-        proc = self._proc
-        # Most processes on a host sleep: their stat line is the same as a tick ago, and its
-        # parse is reused (the read is not: it is how we know).
         cache, self._stat_cache = self._stat_cache, {}
         for name in self.roots.listdir(self.roots.proc):
             if name.isdigit():
-                try:
-                    text = self.roots.read_text(f"{proc}/{name}/stat")
-                except (Absent, Denied):
-                    continue  # exited since the listing, or hidden from us (hidepid)
-                hit = cache.get(name)
-                st = hit[1] if hit is not None and hit[0] == text else procfs.parse_stat(text)
-                self._stat_cache[name] = (text, st)
-                stats[int(name)] = st
+                st = self._read_stat(int(name), cache)
+                if st is not None:
+                    stats[int(name)] = st
         return stats
+
+    def _read_stat(self, pid: int, cache: dict[str, tuple[str, procfs.Stat]]) -> procfs.Stat | None:
+        """A process's stat, into this scan's cache; None when it exited since it was listed or
+        is hidden from us (hidepid). Most processes on a host sleep: their stat line is the same
+        as a tick ago, and its parse is reused (the read is not: it is how we know)."""
+        name = str(pid)
+        try:
+            text = self.roots.read_text(f"{self._pd(pid)}/stat")
+        except (Absent, Denied):
+            return None
+        hit = cache.get(name)
+        st = hit[1] if hit is not None and hit[0] == text else procfs.parse_stat(text)
+        self._stat_cache[name] = (text, st)
+        return st
 
     def _resolve(self, stats: dict[int, procfs.Stat]) -> list[tuple[int, int]]:
         """Target identities (pid, start_ticks) alive now, explicit ones first."""
