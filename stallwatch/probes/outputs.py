@@ -14,8 +14,8 @@ changed files ("hot", a bounded set) are re-stat'ed every tick, and each reconci
 and re-stats a rotating share of the directories, all of them over `full_every` reconciliations,
 which also catches an old file rewritten in place (in slices, so 10^6 files cost no 3 s tick).
 
-Not thread-safe: the collector's DeadlineRunner never overlaps two calls (the event queue keeps
-its lock for callers that feed it from elsewhere).
+Not thread-safe, and needs not be: the collector's DeadlineRunner never overlaps two calls, and
+the inotify queue is drained inside collect().
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import heapq
 import os
 import re
 import stat
-import threading
 import time
 import zlib
 from collections import OrderedDict
@@ -162,7 +161,6 @@ class OutputsProbe:
         self.use_inotify = use_inotify
         self.recent_n, self.hot_window_s, self.max_hot = recent_n, hot_window_s, max_hot
         self.roots = roots
-        self._lock = threading.Lock()
         self._pending: dict[str, None] = {}  # event paths, deduplicated, insertion-ordered
         self._pending_lost = False
         self._events_seen = 0
@@ -361,18 +359,16 @@ class OutputsProbe:
     # -- events
 
     def _enqueue(self, *paths: str) -> None:
-        with self._lock:
-            self._events_seen += 1
-            for p in paths:
-                if p:
-                    self._pending[p] = None
-            if len(self._pending) > MAX_PENDING:
-                self._pending.clear()  # bounded memory; the reconciliation we force recovers
-                self._pending_lost = True
+        self._events_seen += 1
+        for p in paths:
+            if p:
+                self._pending[p] = None
+        if len(self._pending) > MAX_PENDING:
+            self._pending.clear()  # bounded memory; the reconciliation we force recovers
+            self._pending_lost = True
 
     def _apply_events(self, now: float) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, {}
+        pending, self._pending = self._pending, {}
         for p in pending:
             rel = os.path.relpath(p, self._base).replace(os.sep, "/")
             if rel == "." or rel.startswith("../") or rel == "..":
@@ -491,8 +487,7 @@ class OutputsProbe:
         restarted = self._ensure_watch(ident)
         period = self.reconcile_every_s if self._watching() else min(self.reconcile_every_s, self.poll_every_s)
         lost_events = self._drain_watch()
-        with self._lock:
-            lost, self._pending_lost = self._pending_lost or lost_events, False
+        lost, self._pending_lost = self._pending_lost or lost_events, False
         self._overflows += lost
         due = self._initial or lost or restarted or self._last_reconcile is None or now - self._last_reconcile >= period
         if due:
@@ -503,8 +498,7 @@ class OutputsProbe:
 
     def _gone(self, now: float, status: OutputsStatus, error: str | None) -> OutputsObs:
         self._stop_watch()
-        with self._lock:
-            self._pending.clear()
+        self._pending.clear()
         if self._count or self._dirs:
             if self._count:
                 self._last_change = now  # every file we knew vanished with the directory
