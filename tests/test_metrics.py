@@ -733,7 +733,7 @@ def test_alertmanager_route_example_parses():
 
 
 def test_alertmanager_routes_with_amtool():
-    """amtool (Debian: prometheus-alertmanager) is optional: not installed by .ci/run."""
+    """amtool (Debian: prometheus-alertmanager; .ci/run installs it for the fleet tests)."""
     amtool = shutil.which("amtool")
     if not amtool:
         pytest.skip("amtool not installed (Debian: apt-get install prometheus-alertmanager)")
