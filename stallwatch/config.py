@@ -148,6 +148,9 @@ class JobConfig(_Strict):
     startup_grace_s: float | None = None
     rules: tuple[Path, ...] = ()  # this job's rules instead of the daemon's
     dry_run: bool | None = None  # None: the daemon's
+    # The Slurm job this job runs inside (deploy/slurm/stallwatch-node.sh writes it): a death by
+    # signal while Slurm ends that allocation (scancel, time limit) is not a crash (stallwatch.slurm).
+    slurm_job_id: str | None = None
 
     @field_validator("kill_grace_s", "restart_backoff_s", "restart_backoff_max_s",
                      "restart_reset_after_s", "validate_window_s", "gpu_release_timeout_s", "startup_grace_s",
@@ -181,6 +184,17 @@ class JobConfig(_Strict):
                 raise ValueError('must be a list of strings, e.g. ["python", "extract.py"]')
             if not v[0]:
                 raise ValueError("the program (first element) must not be empty")
+        return v
+
+    @field_validator("slurm_job_id", mode="before")
+    @classmethod
+    def _slurm_job_id(cls, v: Any) -> Any:
+        if isinstance(v, int) and not isinstance(v, bool):
+            v = str(v)
+        if v is not None:
+            from stallwatch.slurm import JOB_ID
+            if not isinstance(v, str) or not JOB_ID.match(v):
+                raise ValueError(f'expected a Slurm job id such as "4242" or "4242_7", got {v!r}')
         return v
 
     @field_validator("match", "progress_regex")

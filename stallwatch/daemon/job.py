@@ -88,6 +88,7 @@ class JobRunner:
         self._pid_file_pid: int | None = None
         self._spawn_error = ""
         self.dry_run_done: set[int] = set()  # incidents a dry run already walked through
+        self._slurm_ask: tuple[int, Any] | None = None  # (run id, Future of its JobState)
 
     # ------------------------------------------------------------------------------ helpers
 
@@ -587,6 +588,8 @@ class JobRunner:
             return
         if self.cfg.supervised:
             self._poll_run()
+            if self._ended_by_slurm():
+                return
         elif self.cfg.pid_file is not None:
             self._poll_pid_file()
         self._ensure_collector()
@@ -612,6 +615,41 @@ class JobRunner:
                 self.recovery = None
         self._settle(verdict)
         self._forget_streak_after_a_good_run()
+
+    def _ended_by_slurm(self) -> bool:
+        """True while the job's abnormal exit may be Slurm ending its allocation (the answer is
+        pending), and once Slurm said so: then the job is stopped quietly, with no incident and
+        no restart. scancel signals the job and stallwatch in no fixed order, so the exit may
+        reach a tick first; slurmctld marks the job before any signal is sent (stallwatch.slurm).
+        Asked once per run, off the tick, with a deadline."""
+        jid = self.cfg.slurm_job_id
+        run = self.run_row
+        if (jid is None or run is None or not self.exit_noted or self.exit_rc == 0
+                or self.recovery is not None):
+            return False
+        if self._slurm_ask is None or self._slurm_ask[0] != run["id"]:
+            self._slurm_ask = (run["id"], run_in_thread(f"slurm-{self.name}",
+                                                        self.toolkit.slurm_state, jid))
+        fut = self._slurm_ask[1]
+        if not fut.done():
+            return True
+        try:
+            state = fut.result()
+        except Exception as e:  # noqa: BLE001 - no answer: judged as if there were no Slurm
+            log.warning("job %s: cannot ask Slurm about job %s: %s", self.name, jid, e)
+            state = None
+        from stallwatch.slurm import ended_by_slurm
+
+        if not ended_by_slurm(state):
+            return False
+        if self.phase not in TERMINAL:
+            how = f"killed by signal {-self.exit_rc}" if (self.exit_rc or 0) < 0 else \
+                f"exit code {self.exit_rc}"
+            why = (f"Slurm is ending job {jid} (JobState={state}: cancelled, time limit or "
+                   f"preemption); {how}: not a crash, not restarted")
+            self.set_phase("stopped", why)
+            log.warning("job %s: cancelled: %s", self.name, why)
+        return True
 
     def _persist(self, snap: Any, verdict: Verdict) -> None:
         fields: dict[str, Any] = {"verdict_json": json.dumps(verdict_doc(verdict, snap.t_wall)),

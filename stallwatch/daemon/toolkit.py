@@ -34,6 +34,7 @@ class Toolkit:
     validate: Callable[..., Any] | None = None
     capture_evidence: Callable[..., Any] | None = None
     dispatcher_factory: Callable[[list[Any]], Any] | None = None
+    slurm_job_state: Callable[[str], str | None] | None = None  # job id -> JobState, or None
     _warned: set[str] = field(default_factory=set)
 
     # -- kill
@@ -79,6 +80,16 @@ class Toolkit:
 
             fn = capture_evidence
         return fn(snapshot, verdict, bundle_dir, **_accepted(fn, **kwargs))
+
+    # -- Slurm
+
+    def slurm_state(self, job_id: str) -> str | None:
+        fn = self.slurm_job_state
+        if fn is None:
+            from stallwatch.slurm import job_state
+
+            fn = job_state
+        return fn(job_id)
 
     # -- alerts
 

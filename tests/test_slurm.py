@@ -1,0 +1,166 @@
+"""Slurm ending an allocation is not a crash (stallwatch.slurm, `[[job]] slurm_job_id`): the
+scontrol parser on a real capture, the query through a real executable, and the daemon (in a
+thread) with a job killed by SIGTERM while "Slurm" says the job is ending, says it is running,
+or does not answer. The real Slurm is in tests/test_slurm_e2e.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from stallwatch.config import parse_config
+from stallwatch.daemon.core import Daemon
+from stallwatch.daemon.toolkit import Toolkit
+from stallwatch.errors import UsageError
+from stallwatch.slurm import ended_by_slurm, job_state, parse_job_state
+from stallwatch.state import StateDB
+
+# `scontrol -o show job 3` right after `scancel 3` (slurm-wlm 22.05.8, Debian bookworm)
+SCANCELLED = (
+    "JobId=3 JobName=c.sbatch UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901757 "
+    "Nice=0 Account=(null) QOS=(null) JobState=COMPLETING Reason=None Dependency=(null) "
+    "Requeue=1 Restarts=0 BatchFlag=1 Reboot=0 ExitCode=0:15 RunTime=00:00:03 "
+    "TimeLimit=UNLIMITED TimeMin=N/A SubmitTime=2026-12-01T15:28:59 NodeList=vm BatchHost=vm "
+    "NumNodes=1 NumCPUs=1 NumTasks=1 Command=/tmp/fleet-slurm/c.sbatch WorkDir=/tmp/fleet-slurm\n")
+
+
+def test_parse_job_state():
+    assert parse_job_state(SCANCELLED) == "COMPLETING"
+    assert parse_job_state(SCANCELLED.replace("COMPLETING", "RUNNING")) == "RUNNING"
+    assert parse_job_state("slurm_load_jobs error: Invalid job id specified\n") is None
+    assert parse_job_state("") is None
+    # a job name cannot pose as the state: only a whole `JobState=` field counts
+    assert parse_job_state("JobId=5 JobName=xJobState=CANCELLED JobState=RUNNING") == "RUNNING"
+    assert ended_by_slurm("COMPLETING") and ended_by_slurm("CANCELLED") and ended_by_slurm("TIMEOUT")
+    assert not ended_by_slurm("RUNNING") and not ended_by_slurm("OUT_OF_MEMORY")
+    assert not ended_by_slurm(None)
+
+
+def test_job_state_runs_scontrol_and_degrades_to_none(tmp_path):
+    fake = tmp_path / "scontrol"
+    fake.write_text(f"#!/bin/sh\n[ \"$1 $2 $3 $4\" = '-o show job 3' ] || exit 1\n"
+                    f"printf '%s' '{SCANCELLED.strip()}'\n")
+    fake.chmod(0o755)
+    assert job_state("3", scontrol=str(fake)) == "COMPLETING"
+    assert job_state("4", scontrol=str(fake)) is None  # exit 1: no answer
+    assert job_state("3; rm -rf /", scontrol=str(fake)) is None  # never passed on
+    assert job_state("3", scontrol=str(tmp_path / "missing")) is None
+    slow = tmp_path / "slow"
+    slow.write_text("#!/bin/sh\nexec sleep 30\n")
+    slow.chmod(0o755)
+    t0 = time.monotonic()
+    assert job_state("3", scontrol=str(slow), timeout_s=0.5) is None
+    assert time.monotonic() - t0 < 10
+
+
+def test_config_takes_a_slurm_job_id():
+    base = '[[job]]\nname = "x"\ncommand = ["true"]\n'
+    assert parse_config(base + 'slurm_job_id = "4242"\n', "t").job[0].slurm_job_id == "4242"
+    assert parse_config(base + "slurm_job_id = 4242\n", "t").job[0].slurm_job_id == "4242"
+    assert parse_config(base + 'slurm_job_id = "4242_7"\n', "t").job[0].slurm_job_id == "4242_7"
+    with pytest.raises(UsageError, match="slurm_job_id"):
+        parse_config(base + 'slurm_job_id = "42; true"\n', "t")
+
+
+# ---------------------------------------------------------------- the daemon, in a thread
+
+JOB = "echo 1/3; echo 2/3; sleep 0.5; kill -TERM $$"  # dies of SIGTERM, as scancel does it
+
+
+def _daemon(tmp_path: Path, state_fn) -> tuple[Daemon, threading.Thread]:
+    cfg = parse_config(f"""
+[daemon]
+interval_s = 0.1
+state_dir = "{tmp_path / 'state'}"
+systemd_run = "never"
+evidence = false
+
+[[job]]
+name = "extract-0"
+command = ["sh", "-c", {json.dumps(JOB)}]
+log = "{tmp_path / 'job.log'}"
+restart = "on-failure"
+restart_backoff_s = 0.1
+max_restarts = 1
+slurm_job_id = "77"
+""", "test")
+    d = Daemon(cfg, gpu=False, toolkit=Toolkit(slurm_job_state=state_fn), install_signals=False)
+    t = threading.Thread(target=d.run, name="daemon", daemon=True)
+    t.start()
+    assert d.started.wait(30), "the daemon did not tick"
+    return d, t
+
+
+def _row(tmp_path: Path) -> tuple[dict, list]:
+    db = StateDB.open_readonly(tmp_path / "state")
+    try:
+        return dict(db.job("extract-0") or {}), list(db.incidents("extract-0"))
+    finally:
+        db.close()
+
+
+def _until(fn, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not (v := fn()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.05)
+    return v
+
+
+def test_a_job_killed_while_slurm_ends_the_allocation_stops_quietly(tmp_path):
+    asked = []
+    d, t = _daemon(tmp_path, lambda jid: asked.append(jid) or "COMPLETING")
+    try:
+        row = _until(lambda: (r := _row(tmp_path)[0]).get("phase") == "stopped" and r, 30,
+                     "the job stopped")
+        ticks = d.ticks
+        _until(lambda: d.ticks > ticks + 5, 10, "more ticks")  # and it stays that way
+    finally:
+        d.request_stop()
+        t.join(30)
+    row, incidents = _row(tmp_path)
+    assert asked == ["77"]
+    assert incidents == []
+    assert row["restarts"] == 0 and row["phase"] == "stopped"
+    assert "Slurm is ending job 77 (JobState=COMPLETING" in row["phase_detail"]
+    assert "killed by signal 15" in row["phase_detail"] and "not a crash" in row["phase_detail"]
+
+
+def test_a_job_killed_while_slurm_says_running_is_a_crash(tmp_path):
+    d, t = _daemon(tmp_path, lambda jid: "RUNNING")
+    try:
+        _until(lambda: _row(tmp_path)[0].get("restarts") == 1, 30, "the restart")
+    finally:
+        d.request_stop()
+        t.join(30)
+    _row_, incidents = _row(tmp_path)
+    assert [i["kind"] for i in incidents] == ["crash"]
+
+
+def test_slurm_that_does_not_answer_never_stalls_the_daemon(tmp_path):
+    release = threading.Event()
+
+    def stuck(jid):
+        release.wait(60)
+        return None  # no answer at all: judged as if there were no Slurm
+
+    d, t = _daemon(tmp_path, stuck)
+    try:
+        _until(lambda: (tmp_path / "job.log").exists()
+               and "2/3" in (tmp_path / "job.log").read_text(), 30, "the job's progress")
+        time.sleep(1.0)  # the job dies of SIGTERM 0.5 s after its last line
+        ticks = d.ticks
+        _until(lambda: d.ticks > ticks + 5, 10, "ticks while Slurm does not answer")
+        assert _row(tmp_path)[1] == []  # judgment held, not a crash yet
+        release.set()
+        _until(lambda: _row(tmp_path)[1], 30, "the crash incident once the question failed")
+    finally:
+        release.set()
+        d.request_stop()
+        t.join(30)
+    assert [i["kind"] for i in _row(tmp_path)[1]] == ["crash"]
