@@ -34,6 +34,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def stallwatch_exe(where: Path) -> Path:
     """A `stallwatch` executable that runs this checkout with this interpreter (Slurm and
     `ip netns exec` start it by path, outside pytest's environment)."""
+    where.mkdir(parents=True, exist_ok=True)
     sw = where / "stallwatch"
     sw.write_text(f"#!/bin/sh\nPYTHONPATH={ROOT} exec {sys.executable} -m stallwatch \"$@\"\n")
     sw.chmod(0o755)

@@ -70,6 +70,8 @@ config="$workdir/stallwatch.toml"
   if [ -n "${STALLWATCH_OUTPUTS:-}" ]; then echo "outputs = $(toml "$STALLWATCH_OUTPUTS")"; fi
   echo 'restart = "on-failure"'
   echo "max_restarts = $max_restarts"
+  # A death by signal while Slurm ends the allocation (scancel, time limit) is not a crash.
+  echo "slurm_job_id = $(toml "$SLURM_JOB_ID")"
   if [ -n "${STALLWATCH_ALERT_WEBHOOK:-}" ]; then
     echo
     echo "[[alert]]"
@@ -88,7 +90,23 @@ fi
 # The daemon runs until this node's job has finished (or stallwatch gave up on it), then stops.
 "$stallwatch" run --config "$config" &
 daemon=$!
-trap 'kill -TERM "$daemon" 2>/dev/null; wait "$daemon"; exit 143' TERM INT
+# scancel, the time limit or a preemption: Slurm signals every process of the step, this
+# script, the daemon and the job alike. Say so, stop the daemon, do not wait for the job.
+on_term() {
+  local state
+  state="$(timeout 5 scontrol -o show job "$SLURM_JOB_ID" 2>/dev/null \
+    | grep -o 'JobState=[A-Z_]*' | head -n 1)" || true
+  if [ -n "$state" ] && [ "$state" != JobState=RUNNING ]; then
+    echo "stallwatch-node: $host: Slurm job $SLURM_JOB_ID was cancelled ($state: scancel, time" \
+      "limit or preemption): stopping stallwatch; not a crash, nothing restarted" >&2
+  else
+    echo "stallwatch-node: $host: stopped by a signal: stopping stallwatch" >&2
+  fi
+  kill -TERM "$daemon" 2>/dev/null || true
+  wait "$daemon" || true
+  exit 143
+}
+trap on_term TERM INT
 
 # 0: finished, 1: stopped for good (stallwatch gave up, or restart = "no"), 2: still going.
 phase() {

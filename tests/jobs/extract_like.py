@@ -216,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="outputs directory")
     ap.add_argument("--n", type=int, default=1000, help="number of samples")
+    ap.add_argument("--shard", type=int, default=0, help="this node's share: samples i with "
+                    "i %% of == shard (one shard per Slurm node, deploy/slurm/extract.sbatch)")
+    ap.add_argument("--of", type=int, default=1, help="number of shards")
     ap.add_argument("--sample-s", type=float, default=0.2, help="seconds of work per sample")
     ap.add_argument("--sample-bytes", type=int, default=64 << 10, help="payload bytes per output")
     ap.add_argument("--server", help="inference server URL: POST /generate for every sample")
@@ -239,11 +242,13 @@ def main(argv: list[str] | None = None) -> int:
               (a.crash_at, crash)]
 
     print(f"loaded {a.n} samples; writing to {a.out}", file=sys.stderr, flush=True)
-    bar = Bar(a.n, DESC)
+    if not 0 <= a.shard < a.of:
+        ap.error(f"--shard {a.shard} is not in 0..{a.of - 1}")
+    mine = range(a.shard, a.n, a.of)
+    bar = Bar(len(mine), DESC)
     processed = skipped = 0
     try:
-        for idx in range(a.n):
-            done = idx  # samples finished so far: the bar shows this number
+        for done, idx in enumerate(mine):  # done: samples finished so far, what the bar shows
             for at, fault in faults:
                 if at == done:
                     fault()
