@@ -30,6 +30,11 @@ CADENCE_MAX_FACTOR = 2.0
 # Intervals timed by the log probe before a learned cadence may lower the threshold: one or two
 # can be a burst of lines straddling a tick (a 5-minute job once read as a 0.2 s "cadence").
 CADENCE_MIN_SAMPLES = 5
+# "Making progress" is said only of a last progress younger than this many mean intervals (and
+# at least RECENT_MIN_S, a tick or two of slack); older but under the threshold, the summary says
+# how long it has been and how fast the job went before.
+PACE_RECENT_FACTOR = 5.0
+RECENT_MIN_S = 5.0
 
 # How recent a sign of work must be to count as "working without log progress" (a checkpoint
 # write moves I/O counters and output files while the progress line stands still).
@@ -43,16 +48,21 @@ WAIT_SYSCALLS = {"recvfrom", "recvmsg", "recvmmsg", "read", "readv", "poll", "pp
 SOCKET_READ_SYSCALLS = {"recvfrom", "recvmsg", "recvmmsg", "read", "readv"}
 
 
+_CADENCE_FROM = {"log_timestamps": " from the log's timestamps", "tqdm_elapsed": " from tqdm's elapsed",
+                 "tqdm_rate": " from tqdm's rate", "mixed": " (history and watched)", "observed": ""}
+
+
 def stall_threshold_s(snap: Snapshot) -> tuple[float, str]:
     log = snap.log
     if log is None or log.progress is None:
         return STALL_DEFAULT_S, "default (no progress seen)"
     c = log.cadence_s
     if c is None or c.samples == 0:
-        rate = log.tqdm_rate_per_s or log.rate_per_s
-        if rate and rate > 0:
+        # No intervals: a rate says the mean interval; the p90 is taken as twice that.
+        rate, source = known_rate(snap)
+        if rate > 0:
             t = max(STALL_FLOOR_S, CADENCE_P90_FACTOR * 2.0 / rate)
-            return min(t, STALL_CEILING_S), f"from the rate {rate:.3g}/s"
+            return min(t, STALL_CEILING_S), f"from the rate {rate:.3g}/s ({source})"
         return STALL_DEFAULT_S, "default (cadence not learned yet)"
     t = max(STALL_FLOOR_S, CADENCE_P90_FACTOR * c.p90_s, CADENCE_MAX_FACTOR * c.max_s)
     if c.source == "observed" and c.samples < CADENCE_MIN_SAMPLES:
@@ -65,10 +75,66 @@ def stall_threshold_s(snap: Snapshot) -> tuple[float, str]:
             low, why = STALL_DEFAULT_S, "default"
         if t < low:
             return min(low, STALL_CEILING_S), f"{why} ({c.samples} intervals are too few to trust {t:.3g} s)"
-    why = f"5 × p90 {c.p90_s:.3g} s, 2 × max {c.max_s:.3g} s of {c.samples} intervals"
+    why = f"5 × p90 {c.p90_s:.3g} s, 2 × max {c.max_s:.3g} s of {c.samples} intervals{_CADENCE_FROM[c.source]}"
     if c.last_outlier_s is not None and c.last_outlier_s > c.max_s:
         why += f"; {c.outliers} longer gap(s) left out (last {c.last_outlier_s:.3g} s: a one-off)"
     return min(t, STALL_CEILING_S), why
+
+
+def known_rate(snap: Snapshot) -> tuple[float, str]:
+    """Progress per second before now, and where that came from; (-1, "") when nothing says.
+
+    In order of trust: what we measured, tqdm's own rate, the log's timestamps over its history,
+    and last the done count over the time the job's process has been running (its start time
+    in /proc): that one is an average over the whole run, and high for a job that resumed at
+    a count it did not make in this process, so it comes last."""
+    log = snap.log
+    if log is None or log.progress is None:
+        return -1.0, ""
+    if log.rate_per_s:
+        return log.rate_per_s, "measured"
+    if log.tqdm_rate_per_s:
+        return log.tqdm_rate_per_s, "tqdm's rate"
+    if log.history_rate_per_s:
+        return log.history_rate_per_s, (f"{log.history_lines} progress lines over "
+                                        f"{log.history_span_s:.3g} s of the log's timestamps")
+    done = float(log.progress.done)
+    procs = snap.processes.processes if snap.processes else ()
+    main = next((p for p in procs if p.role == "target" and p.state not in ("Z", "X")), None)
+    ran_s = snap.t_wall - main.start_time if main else 0.0
+    if done > 0 and ran_s > 0:
+        return done / ran_s, f"done {done:.0f} ÷ {ran_s:.0f} s since pid {main.pid} started"
+    return -1.0, ""
+
+
+def pace(snap: Snapshot, rate: float, rate_source: str) -> dict[str, Any]:
+    """How fast the job went before, and whether its last progress is recent for that pace:
+    what a summary says instead of "is making progress" when the silence outlasts the pace."""
+    log = snap.log
+    c = log.cadence_s if log else None
+    if rate <= 0 and c is not None and c.samples >= CADENCE_MIN_SAMPLES and c.median_s > 0:
+        rate = 1.0 / c.median_s
+        rate_source = f"the median of {c.samples} intervals{_CADENCE_FROM[c.source]}"
+    known = rate > 0
+    idle = log.idle_s if log is not None and log.idle_s is not None else None
+    horizon = max(RECENT_MIN_S, PACE_RECENT_FACTOR / rate) if known else RECENT_MIN_S
+    said = f"no progress for {human_s(idle or 0.0)}" + (
+        f"; it made {_pace_text(rate)} before" if known else "; its pace before is not known")
+    return {"known": known, "per_s": rate if known else -1.0,
+            "interval_s": 1.0 / rate if known else -1.0, "source": rate_source if known else "",
+            "text": _pace_text(rate), "recent": idle is not None and idle <= horizon,
+            "silence_text": said}
+
+
+def _pace_text(per_s: float) -> str:
+    """`~20 a second`, `~3 a minute`, `one every ~12 min`."""
+    if per_s <= 0:
+        return ""
+    if per_s >= 1:
+        return f"~{per_s:.2g} a second" if per_s < 10 else f"~{per_s:.0f} a second"
+    if per_s * 60 >= 1:
+        return f"~{per_s * 60:.2g} a minute"
+    return f"one every ~{human_s(1.0 / per_s)}"
 
 
 def features(snap: Snapshot) -> dict[str, Any]:
@@ -84,7 +150,7 @@ def features(snap: Snapshot) -> dict[str, Any]:
         "stall_threshold_why": threshold_why,
         "job": _job(snap, procs),
         "proc": _proc(procs, threads),
-        "log": _log(snap),
+        "log": {**_log(snap), "pace": pace(snap, *known_rate(snap))},
         "outputs": _outputs(snap),
         "gpu": _gpu(snap, job_pids, mine),
         "server": {**_server(snap), **_ranks(snap)},
@@ -185,6 +251,7 @@ def _proc(procs: list[ProcessObs], threads: list[tuple[ProcessObs, ThreadObs]]) 
     # in a one-shot diagnosis, where we have watched for a few seconds only.
     quiet = min((_quiet(p.ctx_unchanged_for_s, p.last_ran_age_s) for p in live), default=0.0)
     main = next(((p, t) for p, t in threads if p.role == "target" and t.tid == p.pid), None)
+    spin = spinning(threads)
     return {
         "count": len(procs),
         "threads": len(threads),
@@ -192,6 +259,8 @@ def _proc(procs: list[ProcessObs], threads: list[tuple[ProcessObs, ThreadObs]]) 
         "states_text": ", ".join(f"{n} {s}" for s, n in sorted(states.items(), key=lambda kv: -kv[1])),
         "main": _thread_dict(*main) if main else _thread_dict_empty(),
         "running": states.get("R", 0),
+        "spinning": len(spin),
+        "spin_list": spin,
         "d_threads": len(d),
         "d_max_s": worst[1].d_state_for_s if worst else 0.0,
         "d": _thread_dict(*worst) if worst else _thread_dict_empty(),
@@ -211,6 +280,41 @@ def _proc(procs: list[ProcessObs], threads: list[tuple[ProcessObs, ThreadObs]]) 
                   "wchan": p.wchan or "", "threads": p.num_threads, "role": p.role}
                  for p in procs],
     }
+
+
+# A thread runnable in every sample of at least this long a stretch, never switching out by
+# itself, is spinning. Two samples at diagnose's 0.75 s interval; the daemon ticks slower.
+SPIN_MIN_S = 1.0
+SPIN_QUEUE_SHARE = 0.8  # on a CPU or waiting for one, of the wall time (schedstat; 1.0 exactly
+                        # in theory, less when our clock and the kernel's are read apart)
+
+
+def spinning(threads: list[tuple[ProcessObs, ThreadObs]]) -> list[dict[str, Any]]:
+    """Threads that never left the run queue while watched (probes/runqueue.py), longest first.
+    Judged by runnability, not by the CPU share the scheduler happened to give them."""
+    out = []
+    for p, t in threads:
+        rq = t.runqueue
+        if rq is None or rq.samples < 2 or rq.runnable_for_s < SPIN_MIN_S:
+            continue
+        if rq.wait_share is not None and (rq.cpu_share or 0.0) + rq.wait_share < SPIN_QUEUE_SHARE:
+            continue  # schedstat says it was off the run queue part of the time
+        cpu, wait = rq.cpu_share or 0.0, rq.wait_share
+        user = rq.user_share
+        out.append({
+            "pid": p.pid, "tid": t.tid, "comm": t.comm, "runnable_s": rq.runnable_for_s,
+            "samples": rq.samples, "cpu_pct": round(cpu * 100.0),
+            "wait_pct": round(wait * 100.0) if wait is not None else -1,
+            "user_pct": round(user * 100.0) if user is not None else -1,
+            "text": (f"tid {t.tid} ({t.comm}) runnable in all {rq.samples} samples over "
+                     f"{rq.runnable_for_s:.1f} s with no voluntary context switch: it never left "
+                     f"the run queue; it got {cpu * 100.0:.0f}% of a core"
+                     + (f" and waited for a CPU {wait * 100.0:.0f}% of the time" if wait is not None
+                        else "")
+                     + (f", {user * 100.0:.0f}% of it in user space" if user is not None else "")),
+        })
+    out.sort(key=lambda d: -d["runnable_s"])
+    return out
 
 
 def _thread_dict_empty() -> dict[str, Any]:

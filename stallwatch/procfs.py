@@ -331,3 +331,12 @@ def socket_inodes(links: Mapping[int, str] | Iterable[tuple[int, str]]) -> dict[
         if inode is not None:
             out.setdefault(inode, fd)
     return out
+
+
+def parse_schedstat(text: str) -> tuple[int, int]:
+    """(on-CPU ns, waiting-on-a-runqueue ns) from /proc/PID/task/TID/schedstat
+    ("cpu_ns run_delay_ns timeslices", Documentation/scheduler/sched-stats.rst)."""
+    parts = text.split()
+    if len(parts) < 2:
+        raise ValueError(f"schedstat: expected 3 numbers, got {text!r}")
+    return int(parts[0]), int(parts[1])

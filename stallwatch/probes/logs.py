@@ -27,6 +27,7 @@ from stallwatch.model import Frozen
 from stallwatch.progress import (
     ProgressEvent, ProgressParser, Traceback, TracebackTracker, clean_line, fatal_kind, parse_tqdm,
 )
+from stallwatch.timestamps import LineTime, gap_s, line_time
 
 _SEP = re.compile(rb"[\r\n]")  # tqdm redraws with \r: every redraw is a line of its own
 _FINGERPRINT = 64
@@ -224,7 +225,7 @@ class Cadence(Frozen):
     p90_s: float
     max_s: float
     samples: int
-    source: Literal["observed", "tqdm_elapsed", "tqdm_rate", "mixed"]
+    source: Literal["observed", "log_timestamps", "tqdm_elapsed", "tqdm_rate", "mixed"]
     # Gaps far beyond the rhythm that were left out of it (see LogProbe._add_interval).
     outliers: int = 0
     last_outlier_s: float | None = None
@@ -257,15 +258,43 @@ class LogObs(Frozen):
     progress_events: int = 0
     progress_changes: int = 0
     idle_s: float | None = None  # since `done` last changed
-    idle_source: Literal["observed", "mtime", "mtime_lower_bound"] | None = None
+    # mtime_timestamps: the log kept growing after the last progress line; the gap between that
+    # line's timestamp and the last line's is added to the file's age.
+    idle_source: Literal["observed", "mtime", "mtime_lower_bound", "mtime_timestamps"] | None = None
     cadence_s: Cadence | None = None
     rate_per_s: float | None = None  # measured here: done delta over a window of our clock
     tqdm_rate_per_s: float | None = None
+    # The pace before we looked, from the history read at first sight: done over the span of
+    # the progress lines' own timestamps (history_style: which form, timestamps.STYLE_NAMES).
+    history_rate_per_s: float | None = None
+    history_span_s: float | None = None
+    history_lines: int = 0
+    history_style: str | None = None
     eta_s: float | None = None
     tail: tuple[str, ...] = ()
     traceback: Traceback | None = None  # the last one not followed by progress
     tracebacks_seen: int = 0
     fatal: tuple[FatalLine, ...] = ()  # fatal-looking lines since the last progress
+
+
+def _history_pace(marks: list[tuple[LineTime | None, float]]
+                  ) -> tuple[list[float], float | None, float, str] | None:
+    """From the timestamped progress changes at the end of the history (one run of one style,
+    `done` rising): (intervals, done per second, span, style); None without two such lines."""
+    run: list[tuple[LineTime, float]] = []
+    for t, done in reversed(marks):  # newest first: the run that ends at the last progress
+        if t is None:
+            break
+        if run and (gap_s(t, run[-1][0]) is None or done > run[-1][1]):
+            break  # another style, time going backwards, or a new bar: the run starts after
+        run.append((t, done))
+    if len(run) < 2:
+        return None
+    run.reverse()
+    deltas = [gap_s(a, b) or 0.0 for (a, _), (b, _) in zip(run, run[1:])]
+    span = sum(deltas)
+    rate = (run[-1][1] - run[0][1]) / span if span > 0 else None
+    return deltas, rate, span, run[0][0].style
 
 
 def _p90(xs: list[float]) -> float:
@@ -317,6 +346,12 @@ class LogProbe:
         self._last_growth: float | None = None
         self._peeked: str | None = None  # partial line already counted as progress
         self._tqdm_history: list[ProgressEvent] = []
+        # (line time, done) of each progress change read at first sight: the log's own clock.
+        self._marks: list[tuple[LineTime | None, float]] = []
+        self._history_rate: float | None = None
+        self._history_span: float | None = None
+        self._history_lines = 0
+        self._history_style: str | None = None
 
     def new_run(self) -> None:
         """The job was restarted: what was learned about the old run's rhythm is void (the
@@ -328,6 +363,8 @@ class LogProbe:
         self._outliers.clear()
         self._outliers_total = 0
         self._samples.clear()
+        self._history_rate = self._history_span = self._history_style = None
+        self._history_lines = 0
         self._tb.reset()
         self._fatal.clear()
         if self._last_change is not None:
@@ -353,11 +390,12 @@ class LogProbe:
     def _consume(self, r: FollowResult) -> int:
         changes = 0
         self._tqdm_history.clear()
+        self._marks.clear()
         for line in r.lines:
             peeked, self._peeked = line == self._peeked, None
             ev = None if peeked else self.parser.parse(line)
             if ev is not None:
-                changes += self._on_event(ev, r.first)
+                changes += self._on_event(ev, r.first, line)
             elif not peeked:
                 self._tb.feed(line)
                 kind = fatal_kind(line)
@@ -371,11 +409,11 @@ class LogProbe:
             self._peeked = None
             ev = parse_tqdm(r.partial) if self.parser.regex is None else None
             if ev is not None:
-                changes += self._on_event(ev, r.first)
+                changes += self._on_event(ev, r.first, r.partial)
                 self._peeked = r.partial
         return changes
 
-    def _on_event(self, ev: ProgressEvent, history: bool) -> int:
+    def _on_event(self, ev: ProgressEvent, history: bool, line: str) -> int:
         self._events += 1
         changed = self._last is None or ev.done != self._last.done
         self._last = ev
@@ -383,6 +421,8 @@ class LogProbe:
             self._tqdm_history.append(ev)
         if not changed:
             return 0
+        if history:  # timestamps are parsed at first sight only: later ticks time lines themselves
+            self._marks.append((line_time(line), float(ev.done)))
         # Progress moved on after a traceback: it was caught and logged, not how the job ended.
         self._tb.reset()
         self._fatal.clear()
@@ -436,6 +476,26 @@ class LogProbe:
         is_last = last_line is not None and self.parser.parse(last_line) is not None
         self._last_change = self._mono_of(r.mtime_s, now)
         self._idle_source = "mtime" if is_last else "mtime_lower_bound"
+        stamped = _history_pace(self._marks)
+        if not is_last and last_line is not None and stamped is not None:
+            # Lines written after the last progress line: their timestamps say how much earlier
+            # than the file's mtime the progress stopped.
+            t_line, t_progress = line_time(last_line), self._marks[-1][0]
+            extra = gap_s(t_progress, t_line) if t_line and t_progress else None
+            if extra is not None:
+                self._last_change -= extra
+                self._idle_source = "mtime_timestamps"
+        if stamped is not None:
+            deltas_ts, self._history_rate, self._history_span, self._history_style = stamped
+            self._history_lines = len(deltas_ts) + 1
+        else:
+            deltas_ts = []
+        if len(deltas_ts) >= 3:
+            # The log's own clock (ms resolution, usually) beats tqdm's whole seconds.
+            self._intervals.extend(deltas_ts[-self.CADENCE_RING :])
+            self._history_source = "log_timestamps"
+            self._estimated = len(self._intervals)
+            return
         # Cadence from tqdm's own elapsed field (1 s resolution) between changes of one bar.
         deltas: list[float] = []
         prev: ProgressEvent | None = None
@@ -529,7 +589,10 @@ class LogProbe:
             progress=last, progress_events=self._events, progress_changes=self._changes,
             idle_s=None if self._last_change is None else max(0.0, now - self._last_change),
             idle_source=self._idle_source, cadence_s=cadence, rate_per_s=rate,
-            tqdm_rate_per_s=last.rate_per_s if last else None, eta_s=eta, tail=tuple(tail),
+            tqdm_rate_per_s=last.rate_per_s if last else None,
+            history_rate_per_s=self._history_rate, history_span_s=self._history_span,
+            history_lines=self._history_lines, history_style=self._history_style,
+            eta_s=eta, tail=tuple(tail),
             traceback=self._tb.current, tracebacks_seen=self._tb.seen, fatal=tuple(self._fatal),
         )
 

@@ -25,6 +25,7 @@ from stallwatch import procfs
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.model import Frozen
 from stallwatch.roots import DEFAULT_ROOTS, Absent, Denied, Roots
+from stallwatch.probes.runqueue import RunQueueObs, RunQueueTracker, schedstat_or_none
 
 T = TypeVar("T")
 Role = Literal["target", "descendant"]
@@ -100,6 +101,7 @@ class ThreadObs(Frozen):
     # Seconds since it last ran on a CPU (scheduler's se.exec_start); 0 when running, None when
     # the kernel does not say. A lower bound for ctx_unchanged_for_s that needs no watching.
     last_ran_age_s: float | None = None
+    runqueue: RunQueueObs | None = None  # whether it stayed runnable since we watch (spinning)
 
 
 class ProcessObs(Frozen):
@@ -272,6 +274,7 @@ class ProcessesProbe:
             self_pid = os.getpid()
         self._self_pid = self_pid
         self._tck = clk_tck or os.sysconf("SC_CLK_TCK")
+        self._runq = RunQueueTracker(self._tck)
         self._syscalls = procfs.SYSCALLS if syscall_table is None else syscall_table
         self._btime: int | None = None
         self._first_collect = True
@@ -603,6 +606,10 @@ class ProcessesProbe:
         stack = (self._optional(f"{d}/stack", procfs.parse_stack, "stack", tick)
                  if blocked and self.read_stacks else None)
         last_ran = 0.0 if not blocked else self._last_ran_age(d, tick)
+        sched = (self._optional(f"{d}/schedstat", schedstat_or_none, "schedstat", tick)
+                 if st.state == "R" else None)
+        runq = self._runq.step(("t", tid, st.start_ticks), now, st.state,
+                               status.voluntary_ctxt_switches, st.utime_ticks, st.stime_ticks, sched)
         sc_fd = sc.args[0] if sc and sc.name in FD_SYSCALLS and sc.args else None
         if sc_fd is not None and sc_fd >= 1 << 31:  # not an fd: AT_FDCWD or garbage
             sc_fd = None
@@ -617,7 +624,7 @@ class ProcessesProbe:
             wchan=wchan, syscall=sc.name if sc else None, syscall_nr=sc.nr if sc else None,
             syscall_args=sc.args if sc else (), syscall_fd=sc_fd,
             syscall_file=fds.get(sc_fd) if fds is not None and sc_fd is not None else None,
-            stack=stack, last_ran_age_s=last_ran,
+            stack=stack, last_ran_age_s=last_ran, runqueue=runq,
         )
 
     def _last_ran_age(self, d: str, tick: _Tick) -> float | None:
