@@ -86,18 +86,23 @@ def known_rate(snap: Snapshot) -> tuple[float, str]:
 
     In order of trust: what we measured, tqdm's own rate, the log's timestamps over its history,
     and last the done count over the time the job's process has been running (its start time
-    in /proc): that one is an average over the whole run, and high for a job that resumed at
-    a count it did not make in this process, so it comes last."""
+    in /proc), at first sight only: that one is an average over the whole run, and high for a
+    job that resumed at a count it did not make in this process, so it comes last."""
     log = snap.log
     if log is None or log.progress is None:
         return -1.0, ""
     if log.rate_per_s:
-        return log.rate_per_s, "measured"
+        return log.rate_per_s, "the progress watched"
     if log.tqdm_rate_per_s:
         return log.tqdm_rate_per_s, "tqdm's rate"
     if log.history_rate_per_s:
         return log.history_rate_per_s, (f"{log.history_lines} progress lines over "
                                         f"{log.history_span_s:.3g} s of the log's timestamps")
+    if log.idle_source == "observed":
+        # We have watched progress move (or the daemon restarted the job: its done count then
+        # includes what the last run made, and a resumed slow job would read as fast): the
+        # watched intervals decide, or the default until there are some.
+        return -1.0, ""
     done = float(log.progress.done)
     procs = snap.processes.processes if snap.processes else ()
     main = next((p for p in procs if p.role == "target" and p.state not in ("Z", "X")), None)

@@ -34,7 +34,10 @@ from pathlib import Path
 
 from rigs import (
     RigUnavailable,
+    cpu_hogs,
     loop_ext4,
+    pin,
+    shared_core,
     spawned,
     task_state,
     thread_ids,
@@ -219,10 +222,14 @@ def deadlock(at: int = 10, **_: object) -> Iterator[Rig]:
 
 
 @contextmanager
-def busy_loop(at: int = 10, **_: object) -> Iterator[Rig]:
-    """The main thread spins on a flag no one sets: state R, CPU 100%, no progress."""
-    with _job("busy_loop", "--spin-at", str(at), at=at,
-              fault=_await_in_job(lambda r: task_state(r.pid) == "R", "the loop running")) as rig:
+def busy_loop(at: int = 10, hogs: int = 1, **_: object) -> Iterator[Rig]:
+    """The main thread spins on a flag no one sets: state R, no progress. It shares one core
+    with `hogs` CPU hogs, as on a loaded node: it gets a fraction of the core, not 100 %."""
+    core = shared_core()
+    with cpu_hogs(core, hogs), _job("busy_loop", "--spin-at", str(at), at=at, fault=_await_in_job(
+            lambda r: task_state(r.pid) == "R", "the loop running")) as rig:
+        pin(rig.pid, core)
+        rig.phases["core"] = core
         yield rig
 
 

@@ -8,6 +8,7 @@ later writer on the machine.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import select
@@ -355,3 +356,34 @@ def dead_fuse_mount() -> Iterator[tuple[Path, Callable[[], None]]]:
         if mounted:
             subprocess.run(["umount", "-l", str(mnt)], check=False, timeout=60)
         os.rmdir(mnt)
+
+
+# ------------------------------------------------------------------------------- CPU contention
+
+HOG = "while True: pass"
+
+
+def shared_core() -> int:
+    """The CPU the contention tests crowd: the last one this process may run on."""
+    return max(os.sched_getaffinity(0))
+
+
+def pin(pid: int, core: int) -> None:
+    """Pin every thread of pid (threads started later inherit the main thread's mask)."""
+    for tid in thread_ids(pid):
+        try:
+            os.sched_setaffinity(tid, {core})
+        except ProcessLookupError:
+            pass
+
+
+@contextmanager
+def cpu_hogs(core: int, n: int = 1) -> Iterator[list[subprocess.Popen]]:
+    """n busy loops pinned to `core`: whatever else is pinned there gets a fraction of it, as a
+    job does on a loaded node. Killed on exit."""
+    with contextlib.ExitStack() as stack:
+        hogs = [stack.enter_context(spawned([sys.executable, "-c", HOG], stdin=subprocess.DEVNULL))
+                for _ in range(n)]
+        for h in hogs:
+            pin(h.pid, core)
+        yield hogs

@@ -226,8 +226,16 @@ def test_busy_loop_stuck_40s_is_hang_spinning(live):
     assert "spinning on the CPU" in d.doc["verdict"]["summary"]
     (proc,) = d.evidence("process")
     assert proc.startswith(f"pid {pid}: threads 1 R; main thread R in user space"), proc
+    # It shares its core with a CPU hog (faultrigs.busy_loop): a fraction of a core, still spinning,
+    # because it never leaves the run queue, whatever share the scheduler gives it.
     (cpu,) = d.evidence("cpu")
     assert "busy loop" in cpu, cpu
+    (runq,) = d.evidence("runqueue")
+    assert runq.startswith(f"tid {pid} (") and "never left the run queue" in runq, runq
+    share = float(re.search(r"got (\d+)% of a core", runq)[1])
+    wait = float(re.search(r"waited for a CPU (\d+)%", runq)[1])
+    assert share <= 80 and wait >= 15, f"the hog on its core should take a share: {runq}"
+    assert share + wait >= 80, runq
     assert d.doc["progress"]["last_progress_age_s"] >= STUCK_S and d.doc["progress"]["done"] == 10
 
 
