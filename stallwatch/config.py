@@ -126,7 +126,12 @@ class JobConfig(_Strict):
     pid_file: Path | None = None  # attached: a job started elsewhere
     match: str | None = None  # attached: a regex over command lines
     cwd: Path | None = None
-    env: dict[str, str] = {}  # added to the daemon's environment for a supervised job
+    env: dict[str, str] = {}  # the job's environment: PATH, the locale, TMPDIR, then these
+    # Who the job runs as (a name or a uid; group: a name or a gid, default the user's primary
+    # group). A supervised job is started as this user and its log opened as this user; for any
+    # job, a pid (pid_file) or a log this user could not read is refused (docs/security.md).
+    user: str | None = None
+    group: str | None = None
     log: Path | None = None
     progress_regex: str | None = None
     outputs: Path | None = None
@@ -140,7 +145,8 @@ class JobConfig(_Strict):
     # the restart budget start over (as Kubernetes forgets a crash loop after 10 minutes). 0: the
     # budget covers the job's whole life.
     restart_reset_after_s: float = 600.0
-    quarantine: Path | None = None  # default: "<outputs>.quarantine", beside the outputs
+    # Default: state_dir/quarantine/<job>, root's side of the trust boundary (docs/security.md).
+    quarantine: Path | None = None
     validate_window_s: float = 600.0  # outputs changed this long before the failure are checked
     validate_max_files: int = Field(default=256, ge=1)
     gpu_release_timeout_s: float = 300.0  # then restart anyway, saying so
@@ -158,6 +164,15 @@ class JobConfig(_Strict):
     @classmethod
     def _dur(cls, v: Any) -> Any:
         return None if v is None else _duration(v)
+
+    @field_validator("user", "group", mode="before")
+    @classmethod
+    def _ident(cls, v: Any) -> Any:
+        if isinstance(v, int) and not isinstance(v, bool):
+            v = str(v)
+        if isinstance(v, str) and not re.match(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}\$?$", v):
+            raise ValueError(f'"{v}" is not a user or group name, nor a numeric id')
+        return v
 
     @field_validator("name")
     @classmethod
@@ -239,12 +254,12 @@ class JobConfig(_Strict):
     def supervised(self) -> bool:
         return self.command is not None
 
-    def quarantine_dir(self) -> Path | None:
+    def quarantine_dir(self, state_dir: Path) -> Path | None:
         if self.quarantine is not None:
             return self.quarantine
         if self.outputs is None:
             return None
-        return self.outputs.parent / (self.outputs.name + ".quarantine")
+        return state_dir / "quarantine" / self.name
 
     def backoff_s(self, attempt: int) -> float:
         """Wait before restart number `attempt` (1-based)."""

@@ -37,7 +37,7 @@ def test_example_config_loads(tmp_path: Path) -> None:
     cfg = load_config(ex)
     extract, sglang = cfg.job
     assert extract.supervised and extract.restart == "on-failure" and extract.max_restarts == 3
-    assert extract.quarantine_dir() == Path("/data/hs.quarantine")
+    assert extract.quarantine_dir(Path("/var/lib/stallwatch")) == Path("/var/lib/stallwatch/quarantine/extract")
     assert not sglang.supervised and sglang.match
     assert cfg.daemon.interval_s == 1.0 and len(cfg.alerts) == 1
 

@@ -71,7 +71,8 @@ def test_running_status_then_signal_to_the_jobs_group(tmp_path: Path) -> None:
 
 def test_wrapper_forwards_sigterm_and_waits(tmp_path: Path) -> None:
     sp, sf, log = start(tmp_path, [sys.executable, "-c", TRAP])
-    wait_for(lambda: "ready" in log.read_text(), 10, "the job's handler")
+    # The log is opened by the job's first stage (runas), so it appears when the job starts.
+    wait_for(lambda: log.exists() and "ready" in log.read_text(), 10, "the job's handler")
     os.kill(sp.wrapper_pid, signal.SIGTERM)  # `kill <wrapper>`, `systemctl stop`: reaches the job
     assert sp.popen.wait(30) == 7
     assert "got SIGTERM" in log.read_text()
@@ -92,8 +93,13 @@ def test_systemd_run_choice_and_argv(tmp_path: Path) -> None:
     argv = systemd_run_argv("extract", 3, tmp_path / "s.json", ("python", "x.py"), Path("/data"),
                             Path("/data/x.log"), {"A": "1"})
     assert "--unit=stallwatch-extract-3" in argv and "--collect" in argv
-    assert "KillMode=control-group" in argv and "StandardOutput=append:/data/x.log" in argv
-    assert "WorkingDirectory=/data" in argv and "--setenv=A=1" in argv
+    assert "KillMode=control-group" in argv and "--setenv=A=1" in argv
+    # PID 1 never opens the job's log (attack #1 of docs/security.md): the wrapper's child does,
+    # as the job's user, and enters the working directory as that user too.
+    assert not any(a.startswith(("StandardOutput", "StandardError", "WorkingDirectory"))
+                   for a in argv)
     tail = argv[argv.index("--") + 1:]
     assert tail[1:4] == ["-m", "stallwatch.daemon.wrap", "--status-file"]
+    assert tail[tail.index("--log"):tail.index("--log") + 4] == ["--log", "/data/x.log",
+                                                                  "--cwd", "/data"]
     assert tail[-3:] == ["--", "python", "x.py"]

@@ -25,14 +25,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stallwatch import safefs
 from stallwatch.config import JobConfig
 from stallwatch.daemon.recovery import Recovery, candidates_from, run_in_thread
 from stallwatch.daemon.supervise import (SpawnError, find_wrapper, identity_alive,
-                                         identity_exists, proc_state, read_status, spawn,
-                                         use_systemd_run)
+                                         identity_exists, proc_state, read_status,
+                                         resolve_user, spawn, status_authentic, use_systemd_run)
 from stallwatch.engine import Evaluator, RuleSet
 from stallwatch.engine.alerting import AlertState, Evaluation, Verdict
 from stallwatch.features import features
@@ -47,6 +49,7 @@ PROBLEM_KINDS = ("hang", "io_stall", "server_hang", "server_down", "crash", "gpu
 RESTART_KINDS = ("crash", "hang", "io_stall")
 STALL_KINDS = ("hang", "io_stall")
 TERMINAL = ("finished", "stopped")
+PID_FILE_MAX_BYTES = 64  # "12345\n" and then some: a pid file is never more
 
 
 def verdict_doc(v: Verdict, at: float | None = None) -> dict[str, Any]:
@@ -87,6 +90,8 @@ class JobRunner:
         self._starting_since: float | None = None
         self._pid_file_pid: int | None = None
         self._spawn_error = ""
+        self._refused_status: set[str] = set()
+        self._pid_file_refused = ""
         self.dry_run_done: set[int] = set()  # incidents a dry run already walked through
         self._slurm_ask: tuple[int, Any] | None = None  # (run id, Future of its JobState)
 
@@ -110,6 +115,26 @@ class JobRunner:
         if self.cfg.supervised:
             return self.daemon.state_dir / "logs" / f"{self.name}.log"
         return None
+
+    def quarantine_dir(self) -> Path | None:
+        return self.cfg.quarantine_dir(self.daemon.state_dir)
+
+    def _status(self, run: dict[str, Any] | None = None, path: Any = None) -> dict[str, Any] | None:
+        """The run's status document, only once it is proved the wrapper's (status_authentic):
+        a forged one is refused, said once, and never adopted or signalled."""
+        run = run if run is not None else (self.run_row or {})
+        path = path or run.get("status_file")
+        doc = read_status(path)
+        if doc is None:
+            return None
+        why = status_authentic(doc, path, wrapper=(run.get("wrapper_pid"),
+                                                   run.get("wrapper_start_ticks")))
+        if why:
+            if why not in self._refused_status:
+                self._refused_status.add(why)
+                log.warning("job %s: status file %s refused: %s", self.name, path, why)
+            return None
+        return doc
 
     def set_phase(self, phase: str, detail: str = "", **extra: Any) -> None:
         self.phase = phase
@@ -301,7 +326,7 @@ class JobRunner:
         self.db.update_job(self.name, starts=max(int(self.db.job(self.name)["starts"]),
                                                  found[-1][0]))
         for seq, f in reversed(found):
-            doc = read_status(f) or {}
+            doc = self._status({}, f) or {}
             alive = identity_alive(doc.get("pid"), doc.get("start_ticks"))
             wrapper = identity_alive(doc.get("wrapper_pid"), doc.get("wrapper_start_ticks"))
             if doc.get("state") == "exited" or not (alive or wrapper):
@@ -347,7 +372,7 @@ class JobRunner:
             self.start_first()
             return
         self.run_row = run
-        doc = read_status(run["status_file"])
+        doc = self._status(run)
         if doc and doc.get("pid") and run["pid"] is None:
             self._adopt_status(doc)
             run = self.run_row
@@ -411,7 +436,8 @@ class JobRunner:
         try:
             sp = spawn(self.name, seq, tuple(self.cfg.command or ()), status_file=status_file,
                        log=self.log_path(), cwd=self.cfg.cwd, env=dict(self.cfg.env),
-                       systemd_run=sysd)
+                       systemd_run=sysd, admin_log=self.cfg.log is None,
+                       run_as=resolve_user(self.cfg.user, self.cfg.group))
         except SpawnError as e:
             self.db.complete_action(aid, f"failed: {e}")
             raise
@@ -490,7 +516,7 @@ class JobRunner:
             return
         wrapper_running = self.popen is not None and self.popen.poll() is None
         self.reap()
-        doc = read_status(run["status_file"])
+        doc = self._status(run)
         if run["pid"] is None:
             if self.synthetic is not None:
                 return  # already known lost
@@ -519,7 +545,7 @@ class JobRunner:
                     return
                 if wrapper_running or identity_alive(run["wrapper_pid"], run["wrapper_start_ticks"]):
                     return
-                doc = read_status(run["status_file"])  # it may have written just before exiting
+                doc = self._status(run)  # it may have written just before exiting
                 if doc and doc.get("pid"):
                     self._adopt_status(doc)
                     return
@@ -561,24 +587,76 @@ class JobRunner:
     def _poll_pid_file(self) -> None:
         path = self.cfg.pid_file
 
-        def read() -> int | None:
+        def read() -> tuple[int | None, str, int | None]:
+            """(pid, why refused, the file's owner): the file is the job user's to forge, so
+            it is read as safefs reads that side: no link followed, a regular file only, and
+            at most PID_FILE_MAX_BYTES (a pid file symlinked to /dev/zero is refused, not
+            read until memory runs out)."""
             try:
-                text = Path(path).read_text().strip().split()[0]
-                return int(text)
-            except (OSError, ValueError, IndexError):
-                return None
+                fd = safefs.open_file(path)
+                try:
+                    owner = os.fstat(fd).st_uid
+                    data = os.read(fd, PID_FILE_MAX_BYTES + 1)
+                finally:
+                    os.close(fd)
+            except FileNotFoundError:
+                return None, "", None
+            except OSError as e:
+                return None, str(e), None
+            if len(data) > PID_FILE_MAX_BYTES:
+                return None, f"{path}: larger than {PID_FILE_MAX_BYTES} bytes: not a pid file", None
+            try:
+                return int(data.split()[0]), "", owner
+            except (ValueError, IndexError):
+                return None, f"{path}: no pid in its first {len(data)} bytes", None
 
-        pid, _rep = self.collector.runner.call(f"pid_file-{self.name}", read, 2.0)
-        if not pid or pid == self._pid_file_pid:
+        got, _rep = self.collector.runner.call(f"pid_file-{self.name}", read, 2.0)
+        pid, why, owner = got if got else (None, "", None)
+        if pid is not None and pid == self._pid_file_pid:
+            return
+        if pid is not None and not why:
+            why = self._pid_refused(pid, owner)
+        if why:
+            if why != self._pid_file_refused:
+                self._pid_file_refused = why
+                log.warning("job %s: pid_file refused: %s", self.name, why)
+                self.db.update_job(self.name, phase_detail=f"pid_file refused: {why}")
+            return
+        if not pid:
             return
         st = proc_state(pid)
         if st is None:
             return
+        self._pid_file_refused = ""
         self._pid_file_pid = pid
         self.set_target(pid, st[1])
         self.db.add_run(self.name, 0, "attached", pid=pid, start_ticks=st[1])
         self.db.update_job(self.name, pid=pid, start_ticks=st[1])
         log.info("job %s: attached to pid %d from %s", self.name, pid, path)
+
+    def _pid_refused(self, pid: int, file_owner: int | None) -> str:
+        """Why a pid named by the pid file is not this job's, or "". Never pid 1 or 0 (the whole
+        system would become "the job": other users' stacks into evidence, their names into
+        alerts); never a process of another user than the job's (`user`, else the pid file's
+        owner when that is not root)."""
+        if pid <= 1:
+            return f"names pid {pid}: never a job"
+        if self.cfg.user is not None:
+            try:
+                run_as = resolve_user(self.cfg.user, self.cfg.group)
+            except SpawnError as e:
+                return str(e)
+            uid = run_as.uid if run_as else None
+        else:
+            uid = file_owner if file_owner else None
+        if uid is not None:
+            try:
+                puid = os.stat(f"/proc/{pid}").st_uid
+            except OSError:
+                return ""  # gone: nothing to adopt, the next read tries again
+            if puid != uid:
+                return f"pid {pid} runs as uid {puid}, not the job's uid {uid}: not adopted"
+        return ""
 
     # --------------------------------------------------------------------------------- tick
 
@@ -886,12 +964,16 @@ def reconcile_intents(db, job: str, *, settle_s: float = 5.0, clock=None) -> lis
                 d = {}
             sf = d.get("status_file")
             doc = read_status(sf)
+            if doc is not None and status_authentic(doc, sf):
+                doc = None  # forged or not provably the wrapper's: as if absent
             wrapper = find_wrapper(sf) if (doc is None and sf) else None
             if doc is None and wrapper is None and sf:
                 age = clock.time() - a["at"]
                 if age < settle_s:
                     _time.sleep(settle_s - age)
                     doc = read_status(sf)
+                    if doc is not None and status_authentic(doc, sf):
+                        doc = None
                     wrapper = find_wrapper(sf) if doc is None else None
             if doc is not None or wrapper is not None:
                 with db.tx():

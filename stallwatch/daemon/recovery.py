@@ -235,7 +235,7 @@ class Recovery:
             start = self.r.run_started_wall()
             if start is not None:
                 since = max(since, start - 60.0)
-            qdir = cfg.quarantine_dir()
+            qdir = self.r.quarantine_dir()
             self._validate_action = self._action("validate", "pending", done=False)
             self.validation = run_in_thread(
                 f"validate-{self.r.name}", self.r.toolkit.run_validate, cfg.outputs, since, qdir,

@@ -11,6 +11,13 @@ Two ways, chosen per spawn:
   in its own cgroup, not in the daemon's: `systemctl restart stallwatch` cannot kill it whatever
   the daemon unit's KillMode says, and `systemctl status stallwatch-extract-3` shows it.
 
+Either way the wrapper stays root (it writes the status file into the root-only state
+directory) and its child, stallwatch.daemon.runas, drops to the job's `user`/`group` before it
+opens the job's log and execs the job: the log, on the job user's side, is never opened by the
+daemon, the wrapper or PID 1 (no `StandardOutput=append:` on a user's path). The job's
+environment is built here (`job_environment`), never the daemon's own: the daemon holds alert
+secrets (`url_env`) and credentials that the job's user must not read.
+
 Either way the daemon learns the job's pid, start time and exit status from the wrapper's status
 file (state_dir/runs/<job>-<n>.json), never from being the parent. Identity is always
 (pid, start_ticks): a pid whose start time differs is someone else, never adopted, never killed.
@@ -18,8 +25,11 @@ file (state_dir/runs/<job>-<n>.json), never from being the parent. Identity is a
 
 from __future__ import annotations
 
+import grp
 import json
 import os
+import pwd
+import re
 import shutil
 import subprocess
 import sys
@@ -27,10 +37,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stallwatch import safefs
 from stallwatch.daemon.wrap import proc_state, start_ticks
 
-__all__ = ["Spawned", "SpawnError", "spawn", "read_status", "identity_alive", "find_wrapper",
-           "use_systemd_run", "wrapper_argv", "systemd_run_argv", "proc_state"]
+__all__ = ["Spawned", "SpawnError", "RunAs", "resolve_user", "job_environment", "spawn",
+           "read_status", "identity_alive", "find_wrapper", "use_systemd_run", "wrapper_argv",
+           "systemd_run_argv", "proc_state"]
+
+STATUS_MAX_BYTES = 64 << 10  # a status document is a few hundred bytes
+# What a job inherits from the daemon's environment, and nothing else: the locale, the search
+# path and where temporary files go. Secrets (url_env), credentials (AWS_*, tokens), the
+# daemon's sd_notify socket and whatever the admin's shell exported stay with the daemon.
+INHERITED_ENV = re.compile(r"^(PATH|LANG|LANGUAGE|LC_[A-Z_]+|TZ|TMPDIR|PYTHONPATH)$")
 
 
 class SpawnError(Exception):
@@ -47,9 +65,73 @@ class Spawned:
     wrapper_start_ticks: int | None = None
 
 
-def wrapper_argv(status_file: Path, job: str, command: tuple[str, ...] | list[str]) -> list[str]:
-    return [sys.executable, "-m", "stallwatch.daemon.wrap", "--status-file", str(status_file),
-            "--job", job, "--", *command]
+@dataclass(frozen=True)
+class RunAs:
+    """Who the job runs as: the config's `user`/`group`, resolved when it is started."""
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    name: str | None
+    home: str | None
+
+
+def resolve_user(user: str | int | None, group: str | int | None = None) -> RunAs | None:
+    """`user` (a name or a uid) and `group` (default: the user's primary group) → ids; the
+    supplementary groups of a named user come along (`id NAME`), a bare uid gets none."""
+    if user is None:
+        return None
+    try:
+        pw = pwd.getpwnam(user) if isinstance(user, str) and not user.isdigit() \
+            else pwd.getpwuid(int(user))
+    except KeyError:
+        if isinstance(user, str) and not user.isdigit():
+            raise SpawnError(f"user {user!r}: no such user") from None
+        pw = None
+    uid = pw.pw_uid if pw else int(user)
+    if group is not None:
+        try:
+            gid = grp.getgrnam(group).gr_gid if isinstance(group, str) and not group.isdigit() \
+                else int(group)
+        except KeyError:
+            raise SpawnError(f"group {group!r}: no such group") from None
+    else:
+        gid = pw.pw_gid if pw else uid
+    groups = tuple(os.getgrouplist(pw.pw_name, gid)) if pw else ()
+    return RunAs(uid=uid, gid=gid, groups=groups, name=pw.pw_name if pw else None,
+                 home=pw.pw_dir if pw else None)
+
+
+def job_environment(extra: dict[str, str], run_as: RunAs | None,
+                    environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The job's environment, built: the locale and PATH from ours, the user's identity, then
+    the config's `env` (which wins)."""
+    env = os.environ if environ is None else environ
+    out = {k: v for k, v in env.items() if INHERITED_ENV.match(k)}
+    out.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+    if run_as is not None:
+        if run_as.name:
+            out["USER"] = out["LOGNAME"] = run_as.name
+        if run_as.home:
+            out["HOME"] = run_as.home
+    elif "HOME" in env:
+        out["HOME"] = env["HOME"]
+    out.update(extra)
+    return out
+
+
+def wrapper_argv(status_file: Path, job: str, command: tuple[str, ...] | list[str], *,
+                 log: Path | None = None, admin_log: bool = False, cwd: Path | None = None,
+                 run_as: RunAs | None = None) -> list[str]:
+    argv = [sys.executable, "-m", "stallwatch.daemon.wrap", "--status-file", str(status_file),
+            "--job", job]
+    if log is not None:
+        argv += ["--admin-log" if admin_log else "--log", str(log)]
+    if cwd is not None:
+        argv += ["--cwd", str(cwd)]
+    if run_as is not None:
+        argv += ["--uid", str(run_as.uid), "--gid", str(run_as.gid),
+                 "--groups", ",".join(str(g) for g in run_as.groups)]
+    return argv + ["--", *command]
 
 
 def use_systemd_run(mode: str, environ: dict[str, str] | None = None) -> bool:
@@ -68,35 +150,41 @@ def unit_name(job: str, seq: int) -> str:
 
 
 def systemd_run_argv(job: str, seq: int, status_file: Path, command: tuple[str, ...],
-                     cwd: Path | None, log: Path, env: dict[str, str]) -> list[str]:
+                     cwd: Path | None, log: Path, env: dict[str, str], *,
+                     admin_log: bool = False, run_as: RunAs | None = None) -> list[str]:
+    """The transient unit runs the wrapper as root; its output goes to the journal. The job's
+    log is opened by the wrapper's child after it dropped to the job's user, never by PID 1
+    (`StandardOutput=append:` would open a user's path as root, outside the unit's sandbox)."""
     argv = [shutil.which("systemd-run") or "systemd-run", f"--unit={unit_name(job, seq)}",
             "--collect", "--quiet", "--no-block",
             "-p", "KillMode=control-group",
-            "-p", f"StandardOutput=append:{log}",
-            "-p", f"StandardError=append:{log}",
             "-p", f"Description=stallwatch job {job} (run {seq})"]
-    if cwd is not None:
-        argv += ["-p", f"WorkingDirectory={cwd}"]
-    # A transient unit starts with systemd's environment, not ours: pass what the job needs.
-    for k in ("PATH", "PYTHONPATH", "LANG", "HOME"):
-        if k in os.environ and k not in env:
-            argv.append(f"--setenv={k}={os.environ[k]}")
+    # A transient unit starts with systemd's environment, not ours: `env` is the job's whole
+    # environment, built by job_environment.
     for k, v in env.items():
         argv.append(f"--setenv={k}={v}")
-    return argv + ["--", *wrapper_argv(status_file, job, command)]
+    return argv + ["--", *wrapper_argv(status_file, job, command, log=log, admin_log=admin_log,
+                                       cwd=cwd, run_as=run_as)]
 
 
 def spawn(job: str, seq: int, command: tuple[str, ...], *, status_file: Path, log: Path,
-          cwd: Path | None, env: dict[str, str], systemd_run: bool) -> Spawned:
-    """Start the wrapper; returns at once (the status file appears when the child runs)."""
+          cwd: Path | None, env: dict[str, str], systemd_run: bool, admin_log: bool = False,
+          run_as: RunAs | None = None) -> Spawned:
+    """Start the wrapper; returns at once (the status file appears when the child runs).
+
+    `env` is added to the built environment (job_environment); `admin_log`: the log lies in
+    the state directory (the default log), root's side, and the wrapper opens it itself."""
     status_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     try:
         status_file.unlink()
     except FileNotFoundError:
         pass
-    log.parent.mkdir(parents=True, exist_ok=True)
+    if admin_log:
+        log.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    env = job_environment(env, run_as)
     if systemd_run:
-        argv = systemd_run_argv(job, seq, status_file, command, cwd, log, env)
+        argv = systemd_run_argv(job, seq, status_file, command, cwd, log, env,
+                                admin_log=admin_log, run_as=run_as)
         try:
             p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.PIPE, start_new_session=True)
@@ -104,32 +192,98 @@ def spawn(job: str, seq: int, command: tuple[str, ...], *, status_file: Path, lo
             raise SpawnError(f"systemd-run: {e}") from e
         return Spawned(how="systemd-run", status_file=status_file, popen=p,
                        unit=unit_name(job, seq) + ".service")
-    full_env = dict(os.environ)
-    full_env.update(env)
-    # NOTIFY_SOCKET and the watchdog variables are the daemon's, not the job's.
-    for k in ("NOTIFY_SOCKET", "WATCHDOG_PID", "WATCHDOG_USEC", "LISTEN_FDS", "LISTEN_PID"):
-        full_env.pop(k, None)
+    # The wrapper's own words (a job that cannot start) go beside its status file, root's.
+    out_path = status_file.with_suffix(".out")
     try:
-        with open(log, "ab") as out:
-            p = subprocess.Popen(wrapper_argv(status_file, job, command), cwd=cwd,
-                                 stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                 start_new_session=True, env=full_env, close_fds=True)
+        out = safefs.open_file(out_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    except OSError as e:
+        raise SpawnError(f"cannot open {out_path}: {e}") from e
+    try:
+        p = subprocess.Popen(wrapper_argv(status_file, job, command, log=log, admin_log=admin_log,
+                                          cwd=cwd, run_as=run_as),
+                             stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                             start_new_session=True, env=env, close_fds=True)
     except OSError as e:
         raise SpawnError(f"cannot start the wrapper: {e}") from e
+    finally:
+        os.close(out)
     return Spawned(how="setsid", status_file=status_file, popen=p, wrapper_pid=p.pid,
                    wrapper_start_ticks=start_ticks(p.pid))
 
 
 def read_status(path: str | os.PathLike[str] | None) -> dict[str, Any] | None:
-    """The wrapper's status document, or None while it is not there (or unreadable)."""
+    """The wrapper's status document, or None while it is not there, unreadable, or not
+    provably the wrapper's: it must be a regular file (no link followed) of at most
+    STATUS_MAX_BYTES, owned by us and writable by nobody else, in a directory of ours that
+    nobody else can write — only the wrapper (root, as we are) can have written it. Who wrote
+    it is then checked against the process itself by `status_authentic`."""
     if not path:
         return None
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
+        parent, name = os.path.split(os.fspath(path))
+        dfd = safefs.open_dir(parent)
+        try:
+            dst = os.fstat(dfd)
+            if dst.st_uid != os.geteuid() or dst.st_mode & 0o022:
+                return None
+            fd = safefs.open_in(dfd, name)
+        finally:
+            os.close(dfd)
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid() or st.st_mode & 0o022 or st.st_nlink != 1:
+                return None
+            data = os.read(fd, STATUS_MAX_BYTES + 1)
+        finally:
+            os.close(fd)
+        if len(data) > STATUS_MAX_BYTES:
+            return None
+        doc = json.loads(data)
     except (OSError, ValueError):
         return None
     return doc if isinstance(doc, dict) else None
+
+
+def status_authentic(doc: dict[str, Any], status_file: str | os.PathLike[str], *,
+                     wrapper: tuple[int | None, int | None] = (None, None)) -> str:
+    """"" when `doc` may be believed, else why not. The wrapper it names must be the one we
+    started (`wrapper`, when known) or, alive, a process of our uid whose command line names
+    this status file; the job it names (alive) must be that wrapper's child; never pid 1 or 0."""
+    wpid, wticks = doc.get("wrapper_pid"), doc.get("wrapper_start_ticks")
+    pid = doc.get("pid")
+    for v in (wpid, pid):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 1):
+            return f"names pid {v!r}"
+    if wrapper[0] is not None and (wpid, wticks) != wrapper:
+        return (f"names wrapper pid {wpid} (start {wticks}), not the wrapper started "
+                f"(pid {wrapper[0]}, start {wrapper[1]})")
+    wrapper_alive = identity_exists(wpid, wticks)
+    if wrapper[0] is None and wrapper_alive and not _is_wrapper_of(wpid, status_file):
+        return f"wrapper pid {wpid} is not a wrapper of ours for this status file"
+    if pid is not None and wrapper_alive and identity_exists(pid, doc.get("start_ticks")) \
+            and _ppid(pid) != wpid:
+        return f"pid {pid} is not the child of wrapper pid {wpid}"
+    return ""
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+        return int(text[text.rfind(")") + 2:].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _is_wrapper_of(pid: int, status_file: str | os.PathLike[str]) -> bool:
+    try:
+        if os.stat(f"/proc/{pid}").st_uid != os.geteuid():
+            return False
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read(1 << 16).split(b"\0")
+    except OSError:
+        return False
+    return b"stallwatch.daemon.wrap" in argv and os.fsencode(str(status_file)) in argv
 
 
 def identity_alive(pid: int | None, ticks: int | None) -> bool:

@@ -10,8 +10,11 @@ reads.
 
 What it does, in order:
 1. starts the command as its child, in a process group of its own (pgid = the child's pid), in
-   the wrapper's session; stdin, stdout and stderr are inherited (the daemon points them at the
-   job's log);
+   the wrapper's session, through stallwatch.daemon.runas: the child drops to the job's user
+   (`--uid/--gid/--groups`), opens the job's log as that user (`--log`), enters `--cwd`, then
+   execs the command; a log in the state directory (`--admin-log`, the default log) is opened
+   here instead, by root, in root's own directory. A failure before the exec comes back on a
+   close-on-exec pipe and is recorded as "cannot start", as an exec failure always was;
 2. writes F: {"state": "running", "pid", "start_ticks", "pgid", "wrapper_pid", ...};
 3. waits for the child; writes F: {"state": "exited", "returncode", "exit_code" | "signal"};
 4. exits with the child's code (128 + N when the child died of signal N).
@@ -87,8 +90,12 @@ def write_status(path: str, doc: dict) -> None:
         pass
 
 
-def _parse(argv: list[str]) -> tuple[str, str, list[str]]:
+_FORWARD_OPTS = ("--log", "--cwd", "--uid", "--gid", "--groups")
+
+
+def _parse(argv: list[str]) -> tuple[str, str, list[str], dict[str, str]]:
     status_file, job = None, ""
+    opts: dict[str, str] = {}
     i = 0
     while i < len(argv):
         a = argv[i]
@@ -101,18 +108,52 @@ def _parse(argv: list[str]) -> tuple[str, str, list[str]]:
         elif a == "--job" and i + 1 < len(argv):
             job = argv[i + 1]
             i += 2
+        elif (a in _FORWARD_OPTS or a == "--admin-log") and i + 1 < len(argv):
+            opts[a] = argv[i + 1]
+            i += 2
         else:
             raise SystemExit(f"stallwatch wrap: unexpected argument {a!r}")
     else:
         cmd = []
     if not status_file or not cmd:
         raise SystemExit("usage: python -m stallwatch.daemon.wrap --status-file FILE "
-                         "[--job NAME] -- command [args...]")
-    return status_file, job, cmd
+                         "[--job NAME] [--log F | --admin-log F] [--cwd D] [--uid U --gid G "
+                         "--groups G1,G2] -- command [args...]")
+    return status_file, job, cmd, opts
+
+
+def _admin_log(path: str) -> int:
+    """The default log, in the state directory: root's side, opened here without following a
+    link all the same."""
+    from stallwatch import safefs
+
+    return safefs.open_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+
+
+def _start(cmd: list[str], opts: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """The child, through runas; ("", ok) or its reason for not starting (it has exited)."""
+    from stallwatch.daemon.runas import runas_argv
+
+    r, w = os.pipe()  # both close-on-exec; w is passed to the child explicitly
+    out = _admin_log(opts["--admin-log"]) if "--admin-log" in opts else None
+    groups = tuple(int(g) for g in opts.get("--groups", "").split(",") if g)
+    argv = runas_argv(cmd, errfd=w, log=opts.get("--log"), cwd=opts.get("--cwd"),
+                      uid=int(opts["--uid"]) if "--uid" in opts else None,
+                      gid=int(opts["--gid"]) if "--gid" in opts else None, groups=groups)
+    try:
+        proc = subprocess.Popen(argv, process_group=0, stdin=None, stdout=out, stderr=out,
+                                pass_fds=(w,))
+    finally:
+        os.close(w)
+        if out is not None:
+            os.close(out)
+    with os.fdopen(r, "rb") as f:
+        err = f.read(4096)  # EOF at the exec (close-on-exec) or at the child's exit
+    return proc, err.decode("utf-8", "replace")
 
 
 def main(argv: list[str] | None = None) -> int:
-    status_file, job, cmd = _parse(sys.argv[1:] if argv is None else argv)
+    status_file, job, cmd, opts = _parse(sys.argv[1:] if argv is None else argv)
     me = os.getpid()
     base = {"version": VERSION, "job": job, "argv": cmd, "wrapper_pid": me,
             "wrapper_start_ticks": start_ticks(me)}
@@ -134,15 +175,18 @@ def main(argv: list[str] | None = None) -> int:
 
     started_at = time.time()
     try:
-        proc = subprocess.Popen(cmd, process_group=0, stdin=None, stdout=None, stderr=None)
+        proc, failed = _start(cmd, opts)
     except OSError as e:
-        code = 127 if isinstance(e, (FileNotFoundError, NotADirectoryError)) else 126
-        print(f"stallwatch wrap: cannot start {cmd[0]!r}: {e}", file=sys.stderr, flush=True)
+        proc, failed = None, f"cannot start: {e}"
+    if failed:
+        code = proc.wait() if proc is not None else 126
+        if not failed.startswith("cannot start"):
+            failed = f"cannot start: {failed}"
+        print(f"stallwatch wrap: {failed}", file=sys.stderr, flush=True)
         write_status(status_file, {**base, "state": "exited", "pid": None, "start_ticks": None,
                                    "pgid": None, "started_at": started_at,
                                    "ended_at": time.time(), "returncode": code,
-                                   "exit_code": code, "signal": None,
-                                   "error": f"cannot start: {e}"})
+                                   "exit_code": code, "signal": None, "error": failed})
         return code
     child["pid"] = proc.pid
     child["pgid"] = proc.pid
