@@ -324,7 +324,7 @@ class Demo:
         return self.dir / "state"
 
     def quarantine_dir(self) -> Path:
-        return self.out.parent / f"{self.out.name}.quarantine"
+        return self.state_dir / "quarantine" / JOB  # the daemon's default, root's side
 
     def _start_server(self) -> None:
         from stallwatch.sglang import launch_server

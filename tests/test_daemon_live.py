@@ -301,7 +301,7 @@ def test_deadlock_mid_write_killed_quarantined_resumed(h: Harness, tmp_path: Pat
     assert kill["outcome"].startswith("done")
     # every output present exactly once, each a whole archive; the half-written one is aside
     h.assert_outputs_complete(12)
-    q = h.out.parent / "out.quarantine"
+    q = h.state / "quarantine" / "extract"  # root's side of the trust boundary (docs/security.md)
     assert sorted(p.name for p in q.iterdir()) == ["MANIFEST.jsonl", "data_5.pt"]
     assert not validate_file(q / "data_5.pt").ok
     assert "data_5.pt" in h.actions("validate")[0]["outcome"]
@@ -404,7 +404,7 @@ def test_daemon_sigkilled_mid_run_new_daemon_reattaches(h: Harness, tmp_path: Pa
     assert len(h.q("SELECT * FROM runs")) == 2, "no second copy was started"
     assert h.q("SELECT returncode FROM runs ORDER BY id")[-1]["returncode"] == 0
     h.assert_outputs_complete(70)
-    q = h.out.parent / "out.quarantine"
+    q = h.state / "quarantine" / "extract"  # root's side of the trust boundary (docs/security.md)
     assert "data_3.pt" in {p.name for p in q.iterdir()}
     assert h.stop(second) == 0
 
@@ -581,7 +581,7 @@ def test_writer_frozen_in_d_io_stall_no_second_writer_then_resumed(h: Harness,
         wait_for(lambda: h.phase() == "finished", 60, "the job to finish after the thaw")
         assert h.job()["restarts"] == 1
         h.assert_outputs_complete(30)
-        qdir = out.parent / "out.quarantine"
+        qdir = h.state / "quarantine" / "extract"
         moved = [p for p in qdir.iterdir() if p.suffix == ".pt"] if qdir.exists() else []
         for p in moved:
             assert not validate_file(p).ok, f"{p} was quarantined but is whole"
@@ -613,7 +613,7 @@ def test_daemon_killed_during_backoff_resumes_the_recovery_counting_once(h: Harn
     assert h.job()["restarts"] == 1
     assert len(h.q("SELECT * FROM runs")) == 2
     h.assert_outputs_complete(6)
-    assert (h.out.parent / "out.quarantine" / "data_0.pt").exists()
+    assert (h.state / "quarantine" / "extract" / "data_0.pt").exists()
     assert h.stop(second) == 0
 
 

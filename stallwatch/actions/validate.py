@@ -44,6 +44,7 @@ import zipfile
 from pathlib import Path
 from typing import IO, Any, Callable, Collection, Iterable, NamedTuple
 
+from stallwatch import safefs
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.model import Frozen
 
@@ -178,17 +179,16 @@ def _check_zip(path: Path, size: int, torch_file: bool, crc_max_bytes: int | Non
     try:
         zf = zipfile.ZipFile(path)
     except zipfile.BadZipFile as exc:
-        return FileCheck(False, f"zip archive not whole (truncated?): {exc}")
+        return FileCheck(False, f"zip archive not whole (truncated?): {_what(exc)}")
     except (OSError, ValueError, EOFError) as exc:
-        return FileCheck(False, f"zip archive unreadable: {exc}")
+        return FileCheck(False, f"zip archive unreadable: {_what(exc)}")
     with zf:
         infos = zf.infolist()
         start_dir = getattr(zf, "start_dir", size)
-        for info in infos:
+        for n, info in enumerate(infos):
             # 30 bytes of local header + name: the member's data must end before the directory.
             if info.header_offset + 30 + len(info.filename) + info.compress_size > start_dir:
-                return FileCheck(False, f"member {info.filename!r} runs past the central "
-                                        "directory")
+                return FileCheck(False, f"member #{n} runs past the central directory")
         notes = []
         if torch_file:
             pkls = [i for i in infos if i.filename.endswith("data.pkl")]
@@ -203,30 +203,29 @@ def _check_zip(path: Path, size: int, torch_file: bool, crc_max_bytes: int | Non
                     with zf.open(pkl) as f:
                         _, u = _parse_pickle(f)
                 except Exception as exc:
-                    return FileCheck(False, f"data.pkl does not parse: {type(exc).__name__}: "
-                                            f"{exc}")
+                    return FileCheck(False, f"data.pkl does not parse: {_what(exc)}")
                 members = {i.filename: i for i in infos}
-                for key, tname, numel in u.storages:
+                for n, (key, tname, numel) in enumerate(u.storages):
                     m = members.get(f"{prefix}data/{key}")
                     if m is None:
-                        return FileCheck(False, f"storage {key} missing from the archive")
+                        return FileCheck(False, f"storage #{n} missing from the archive")
                     elem = ELEMENT_SIZES.get(tname)
                     if elem is not None and m.file_size != numel * elem:
-                        return FileCheck(False, f"storage {key} holds {m.file_size} bytes, "
+                        return FileCheck(False, f"storage #{n} holds {m.file_size} bytes, "
                                                 f"{numel} x {tname} needs {numel * elem}")
         total = sum(i.file_size for i in infos)
         if crc_max_bytes is not None and total > crc_max_bytes:
             notes.append(f"CRC not checked: {total} bytes of members > {crc_max_bytes}")
         else:
-            for info in infos:
+            for n, info in enumerate(infos):
                 try:
                     with zf.open(info) as f:
                         while f.read(1 << 20):
                             pass  # ZipExtFile compares the CRC-32 at the end of the member
                 except zipfile.BadZipFile as exc:
-                    return FileCheck(False, f"member {info.filename!r}: {exc}")
+                    return FileCheck(False, f"member #{n}: bad CRC-32 or data ({_what(exc)})")
                 except (OSError, EOFError, ValueError, zipfile.LargeZipFile) as exc:
-                    return FileCheck(False, f"member {info.filename!r} unreadable: {exc}")
+                    return FileCheck(False, f"member #{n} unreadable: {_what(exc)}")
         what = "torch zip archive" if torch_file else "zip archive"
         return FileCheck(True, f"{what} whole, {len(infos)} members"
                                + (f"; {'; '.join(notes)}" if notes else ""))
@@ -238,7 +237,7 @@ def _check_legacy_torch(path: Path, size: int) -> FileCheck:
             try:
                 magic, _ = _parse_pickle(f)
             except Exception as exc:
-                return FileCheck(False, f"neither a zip archive nor a pickle: {exc}")
+                return FileCheck(False, f"neither a zip archive nor a pickle: {_what(exc)}")
             if magic != LEGACY_MAGIC:
                 return FileCheck(False, "a pickle without torch's magic number: not a "
                                         "torch.save file")
@@ -249,10 +248,10 @@ def _check_legacy_torch(path: Path, size: int) -> FileCheck:
                 keys, _ = _parse_pickle(f)  # storage keys, in the order of the data
             except Exception as exc:
                 return FileCheck(False, f"legacy torch file cut inside its pickles: "
-                                        f"{type(exc).__name__}: {exc}")
+                                        f"{_what(exc)}")
             pos = f.tell()
     except OSError as exc:
-        return FileCheck(False, f"unreadable: {exc}")
+        return FileCheck(False, f"unreadable: {_what(exc)}")
     by_key = {k: (t, n) for k, t, n in u.storages}
     if not isinstance(keys, list) or any(k not in by_key for k in keys):
         return FileCheck(False, "legacy torch file: storage keys do not match its object")
@@ -281,13 +280,13 @@ def _check_safetensors(path: Path, size: int) -> FileCheck:
                 return FileCheck(False, f"safetensors header length {n} exceeds the file")
             header = json.loads(f.read(n))
     except (OSError, ValueError) as exc:
-        return FileCheck(False, f"safetensors header unreadable: {exc}")
+        return FileCheck(False, f"safetensors header unreadable: {_what(exc)}")
     if not isinstance(header, dict):
         return FileCheck(False, "safetensors header is not an object")
     data = size - 8 - n
     end = 0
     try:
-        for name, t in header.items():
+        for n, (name, t) in enumerate(header.items()):
             if name == "__metadata__":
                 continue
             b, e = (int(x) for x in t["data_offsets"])
@@ -296,10 +295,10 @@ def _check_safetensors(path: Path, size: int) -> FileCheck:
             for d in t["shape"]:
                 numel *= int(d)
             if not 0 <= b <= e or (elem is not None and e - b != numel * elem):
-                return FileCheck(False, f"tensor {name!r}: bad byte range {b}..{e}")
+                return FileCheck(False, f"tensor #{n}: bad byte range {b}..{e}")
             end = max(end, e)
     except (KeyError, TypeError, ValueError) as exc:
-        return FileCheck(False, f"safetensors header malformed: {exc}")
+        return FileCheck(False, f"safetensors header malformed: {_what(exc)}")
     if end != data:
         return FileCheck(False, f"safetensors data is {data} bytes, its tensors need {end}")
     return FileCheck(True, f"safetensors whole, {len(header)} entries")
@@ -324,26 +323,35 @@ def _torch_load(path: Path, structural: FileCheck) -> FileCheck:
     try:
         torch.load(path, weights_only=True, map_location="cpu")
     except Exception as exc:
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if "Weights only load failed" in str(exc) and structural.ok:
             return FileCheck(True, f"{structural.reason}; torch.load(weights_only=True) refused "
                                    "one of its classes (the file itself is whole)")
-        return FileCheck(False, f"torch.load failed: {type(exc).__name__}: {msg[:300]}")
+        return FileCheck(False, f"torch.load failed: {_what(exc)}")
     return FileCheck(True, f"{structural.reason}; torch.load ok")
 
 
+def _what(exc: BaseException) -> str:
+    """An exception as a reason: its type, and its text only for an OSError (errno words).
+    Parsers' messages quote the bytes they choke on ("invalid load key, 'x'", a member's name):
+    a reason travels into alerts and logs, and file bytes are the job user's to choose."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{type(exc).__name__}: {exc.strerror}"
+    return type(exc).__name__
+
+
 def validate_file(path: str | os.PathLike[str], *, crc_max_bytes: int | None = CRC_MAX_BYTES,
-                  use_torch: bool | None = None) -> FileCheck:
+                  use_torch: bool | None = None, name: str | None = None) -> FileCheck:
     """(ok, reason) for one output file. use_torch: None = when importable, False = never,
     True = when importable, noting its absence. Reads only this file; never raises for a bad
-    file (an OSError reading it is a reason)."""
+    file (an OSError reading it is a reason). `name`: the file's name when `path` is not it
+    (/proc/self/fd/N); its suffix says the type. Reasons never quote the file's bytes."""
     p = Path(path)
     try:
         st = os.stat(p)
     except FileNotFoundError:
         return FileCheck(False, "missing")
     except OSError as exc:
-        return FileCheck(False, f"cannot stat: {exc}")
+        return FileCheck(False, f"cannot stat: {_what(exc)}")
     if not _stat.S_ISREG(st.st_mode):
         return FileCheck(False, "not a regular file")
     if st.st_size == 0:
@@ -352,8 +360,8 @@ def validate_file(path: str | os.PathLike[str], *, crc_max_bytes: int | None = C
         with open(p, "rb") as f:
             head = f.read(8)
     except OSError as exc:
-        return FileCheck(False, f"unreadable: {exc}")
-    suffix = p.suffix.lower()
+        return FileCheck(False, f"unreadable: {_what(exc)}")
+    suffix = Path(name or p.name).suffix.lower()
     torch_file = suffix in TORCH_SUFFIXES
     if suffix == ".safetensors":
         return _check_safetensors(p, st.st_size)
@@ -372,6 +380,13 @@ def validate_file(path: str | os.PathLike[str], *, crc_max_bytes: int | None = C
 
 
 # --------------------------------------------------------------------------- quarantine
+#
+# Everything below is on the job user's side of the trust boundary (docs/security.md): the
+# outputs tree is resolved once into directory fds (stallwatch.safefs) and every stat, open,
+# link, copy and unlink is relative to them, never by path again. A directory swapped for a
+# symlink after the walk, timed with inotify, then leads nowhere: a name that became a symlink,
+# a device node or another file is refused by O_NOFOLLOW, fstat and the (st_dev, st_ino)
+# recorded at the walk. The quarantine itself is root's (state_dir/quarantine/<job>, 0700).
 
 
 def _unique_names(name: str) -> Iterable[str]:
@@ -380,66 +395,103 @@ def _unique_names(name: str) -> Iterable[str]:
         yield f"{name}.{n}"
 
 
-def _copy_verified(src: Path, dst: Path) -> None:
-    """Copy to a new file (never an existing one), fsync, re-read and compare; the source is
-    untouched. Raises FileExistsError when dst exists, OSError when the copy is not exact."""
-    h_src = hashlib.sha256()
-    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+def _copy_fd_verified(src_fd: int, size: int, dst_dfd: int, name: str) -> None:
+    """Copy exactly `size` bytes of an open regular file into a new file `name` of dst_dfd
+    (never an existing one, never through a link), fsync, re-read and compare. Raises
+    FileExistsError when the name is taken, OSError when the copy is not exact."""
+    h_src, h_dst = hashlib.sha256(), hashlib.sha256()
+    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600, dir_fd=dst_dfd)
     try:
-        with open(src, "rb") as fin, os.fdopen(fd, "wb") as fout:
-            while chunk := fin.read(1 << 20):
-                h_src.update(chunk)
-                fout.write(chunk)
-            fout.flush()
-            os.fsync(fout.fileno())
-        h_dst = hashlib.sha256()
-        with open(dst, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h_dst.update(chunk)
-        if h_dst.digest() != h_src.digest() or os.stat(dst).st_size != os.stat(src).st_size:
-            raise OSError(errno.EIO, f"copy of {src} to {dst} differs from the original")
+        done = 0
+        while done < size:
+            chunk = os.pread(src_fd, min(1 << 20, size - done), done)
+            if not chunk:
+                raise OSError(errno.EIO, f"the source shrank while copied ({done} of {size} "
+                                         "bytes)")
+            h_src.update(chunk)
+            os.write(fd, chunk)
+            done += len(chunk)
+        os.fsync(fd)
+        pos = 0
+        while chunk := os.pread(fd, 1 << 20, pos):
+            h_dst.update(chunk)
+            pos += len(chunk)
+        if h_dst.digest() != h_src.digest() or pos != size:
+            raise OSError(errno.EIO, "the copy differs from the original")
     except BaseException:
         # Our own partial copy, never the user's file: removing it loses nothing.
         try:
-            os.unlink(dst)
+            os.unlink(name, dir_fd=dst_dfd)
         except OSError:
             pass
         raise
+    finally:
+        os.close(fd)
 
 
-def quarantine_file(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
-    """Move src to dst, or to dst.1, dst.2 ... when taken; returns where it went.
+def _ident_at(dfd: int, name: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def _move_at(src_dfd: int, name: str, src_fd: int, dst_dfd: int, dst_name: str) -> str:
+    """Move the open regular file `src_fd`, named `name` in src_dfd, to a free name (dst_name,
+    dst_name.1 ...) in dst_dfd; returns the name used.
 
     Never overwrites and never deletes: within one filesystem a hard link to the new name
-    (link(2) fails rather than replace) then unlink of the old, so at every moment the file
-    exists under at least one name; across filesystems a copy into a new file, fsync, compare,
-    and only then unlink of the original. A filesystem without hard links gets rename(2) after
-    a check that the name is free (a race with another writer of the quarantine is possible
-    there, and only there)."""
-    src, dst = Path(src), Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    for name in _unique_names(dst.name):
-        cand = dst.parent / name
+    (linkat fails rather than replace) then unlink of the old, so at every moment the file
+    exists under at least one name; across filesystems (the quarantine in the state directory,
+    the outputs elsewhere) a copy of exactly the file's size into a new file, fsync, compare,
+    and only then unlink of the original. Each step checks that the name still is the file
+    that was validated; a file swapped meanwhile is left where it is (OSError)."""
+    st = os.fstat(src_fd)
+    ident = (st.st_dev, st.st_ino)
+    for cand in _unique_names(dst_name):
         try:
-            os.link(src, cand, follow_symlinks=False)
+            os.link(name, cand, src_dir_fd=src_dfd, dst_dir_fd=dst_dfd, follow_symlinks=False)
+            if _ident_at(dst_dfd, cand) != ident:  # the name was swapped before the link
+                os.unlink(cand, dir_fd=dst_dfd)
+                raise OSError(errno.ESTALE, "the file changed while it was moved: left in place")
         except FileExistsError:
             continue
         except OSError as exc:
-            if exc.errno == errno.EXDEV:
-                try:
-                    _copy_verified(src, cand)
-                except FileExistsError:
-                    continue
-            elif exc.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
-                if os.path.lexists(cand):
-                    continue
-                os.rename(src, cand)
-                return cand
-            else:
+            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP,
+                                 errno.EMLINK):
                 raise
-        os.unlink(src)
+            try:
+                _copy_fd_verified(src_fd, st.st_size, dst_dfd, cand)
+            except FileExistsError:
+                continue
+        if _ident_at(src_dfd, name) != ident:
+            raise OSError(errno.ESTALE, f"the original changed before its removal: a copy is "
+                                        f"in the quarantine as {cand}, the original left")
+        os.unlink(name, dir_fd=src_dfd)
         return cand
-    raise FileExistsError(f"no free name for {dst}")
+    raise FileExistsError(f"no free name for {dst_name}")
+
+
+def quarantine_file(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
+    """Move src to dst, or to dst.1, dst.2 ... when taken; returns where it went (see
+    _move_at). Neither path's directories are followed through a link another user could
+    have made (stallwatch.safefs); dst's are created 0700."""
+    src, dst = Path(src), Path(dst)
+    sdfd = safefs.open_dir(src.parent)
+    try:
+        fd = safefs.open_in(sdfd, src.name, where=str(src))
+        try:
+            ddfd = safefs.open_dir(dst.parent, create=True)
+            try:
+                return dst.parent / _move_at(sdfd, src.name, fd, ddfd, dst.name)
+            finally:
+                os.close(ddfd)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(sdfd)
 
 
 # ------------------------------------------------------------------------------ the tree
@@ -449,14 +501,76 @@ def _matches(name: str, patterns: Collection[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-def _same_dir(a: Path, b_ident: tuple[int, int] | None) -> bool:
-    if b_ident is None:
-        return False
+def _open_rel(root_fd: int, parts: tuple[str, ...], *, create: bool = False) -> int:
+    """A directory fd for root/parts, each component opened without following a link."""
+    fd = os.dup(root_fd)
     try:
-        st = os.stat(a)
-    except OSError:
-        return False
-    return (st.st_dev, st.st_ino) == b_ident
+        for part in parts:
+            nfd = safefs.subdir(fd, part, create=create)
+            os.close(fd)
+            fd = nfd
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+class _Found(NamedTuple):
+    mtime: float
+    ident: tuple[int, int]
+
+
+def _walk(out_fd: int, out_dir: Path, patterns: Collection[str], since_wall: float | None,
+          skip_ident: tuple[int, int] | None, max_depth: int, errors: list[str],
+          skipped: list[Skipped]) -> tuple[int, dict[tuple[str, ...], _Found]]:
+    """Iterative (a stack of relative paths, no recursion), one open directory at a time,
+    never below `max_depth` levels (a 1,500-deep tree is reported, not followed into a
+    RecursionError). Returns (names seen, matching regular files)."""
+    found: dict[tuple[str, ...], _Found] = {}
+    scanned = 0
+    stack: list[tuple[str, ...]] = [()]
+    while stack:
+        parts = stack.pop()
+        try:
+            dfd = _open_rel(out_fd, parts)
+        except FileNotFoundError:
+            continue  # removed during the walk
+        except OSError as exc:
+            errors.append(f"walk {out_dir.joinpath(*parts)}: {exc.strerror or exc}")
+            continue
+        try:
+            for entry in safefs.fd_dir(dfd):
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if _stat.S_ISDIR(st.st_mode):
+                    if (st.st_dev, st.st_ino) == skip_ident:
+                        continue  # the quarantine, inside the tree
+                    if len(parts) + 1 > max_depth:
+                        skipped.append(Skipped(str(out_dir.joinpath(*parts, entry.name)),
+                                               f"deeper than max_depth={max_depth}: not walked"))
+                        continue
+                    stack.append((*parts, entry.name))
+                    continue
+                scanned += 1
+                if not _stat.S_ISREG(st.st_mode) or not _matches(entry.name, patterns):
+                    continue  # symlinks, FIFOs, devices: not outputs the job wrote
+                if since_wall is None or st.st_mtime >= since_wall:
+                    found[(*parts, entry.name)] = _Found(st.st_mtime, (st.st_dev, st.st_ino))
+        except OSError as exc:
+            errors.append(f"walk {out_dir.joinpath(*parts)}: {exc.strerror or exc}")
+        finally:
+            os.close(dfd)
+    return scanned, found
+
+
+def _rel_parts(path: str | os.PathLike[str], out_dir: Path) -> tuple[str, ...] | None:
+    """path's components below out_dir, lexically (never resolved), or None when outside."""
+    rel = os.path.relpath(os.path.normpath(os.path.abspath(path)), os.path.normpath(out_dir))
+    if rel == "." or rel.startswith(".." + os.sep) or rel == "..":
+        return None
+    return tuple(rel.split(os.sep))
 
 
 def validate_outputs(
@@ -466,6 +580,7 @@ def validate_outputs(
     *,
     patterns: Collection[str] = DEFAULT_PATTERNS,
     max_files: int = 10_000,
+    max_depth: int = 64,
     open_paths: Collection[str | os.PathLike[str]] = (),
     candidates: Iterable[str | os.PathLike[str]] = (),
     dry_run: bool = False,
@@ -479,118 +594,176 @@ def validate_outputs(
     ones to `quarantine_dir`, keeping their path relative to `outputs_dir`.
 
     This blocks on the outputs filesystem: run it in a worker with a deadline, after the kill is
-    `done`, never on the daemon's tick. It walks the whole tree (one stat per name that matches a
-    pattern) but validates only recent files, newest first, at most `max_files` of them and
-    within `budget_s`; `candidates` (e.g. the files the job had open for writing when it was
-    killed) are checked whatever their age. Files in `open_paths` (open for writing by a live
-    process) are skipped: moving a file under its writer helps nobody. A quarantine folder inside
-    the outputs tree is left out of the walk. Anything skipped makes the report not
-    `safe_to_resume`.
+    `done`, never on the daemon's tick. It walks the whole tree (one stat per name) but
+    validates only recent files, newest first, at most `max_files` of them and within
+    `budget_s`; `candidates` (e.g. the files the job had open for writing when it was killed)
+    are checked whatever their age. Files in `open_paths` (open for writing by a live process)
+    are skipped: moving a file under its writer helps nobody. A quarantine folder inside the
+    outputs tree is left out of the walk. Anything skipped makes the report not
+    `safe_to_resume`. Each file is validated through the fd it was opened by
+    (/proc/self/fd/N), so what is checked is what is moved.
     """
     t0 = clock.monotonic()
-    out_dir = Path(outputs_dir)
+    out_dir = Path(os.path.normpath(os.path.abspath(outputs_dir)))
     qdir = Path(quarantine_dir)
-    check = check or (lambda p: validate_file(p, crc_max_bytes=crc_max_bytes, use_torch=use_torch))
     errors: list[str] = []
     notes: list[str] = []
     skipped: list[Skipped] = []
     quarantined: list[Quarantined] = []
+
+    def report(scanned: int = 0, checked: int = 0, valid: int = 0) -> ValidationReport:
+        return ValidationReport(
+            outputs_dir=str(out_dir), quarantine_dir=str(qdir), since_wall=since_wall,
+            dry_run=dry_run, scanned=scanned, checked=checked, valid=valid,
+            quarantined=tuple(quarantined), skipped=tuple(skipped), errors=tuple(errors),
+            notes=tuple(notes), duration_s=clock.monotonic() - t0)
+
     try:
-        qst = os.stat(qdir)
-        q_ident: tuple[int, int] | None = (qst.st_dev, qst.st_ino)
-    except OSError:
-        q_ident = None
-    q_real = os.path.realpath(qdir)
-
-    found: dict[str, float] = {}  # path -> mtime
-    scanned = 0
-
-    def on_error(exc: OSError) -> None:
-        if isinstance(exc, FileNotFoundError) and exc.filename == str(out_dir):
-            notes.append(f"{out_dir} does not exist: nothing was written, nothing to check")
-        elif not isinstance(exc, FileNotFoundError):  # a directory removed during the walk
-            errors.append(f"walk: {exc}")
-
-    for dirpath, dirnames, filenames in os.walk(out_dir, onerror=on_error):
-        dirnames[:] = [d for d in dirnames
-                       if not _same_dir(Path(dirpath) / d, q_ident)
-                       and os.path.realpath(Path(dirpath) / d) != q_real]
-        for name in filenames:
-            scanned += 1
-            if not _matches(name, patterns):
-                continue
-            path = os.path.join(dirpath, name)
-            try:
-                st = os.lstat(path)
-            except OSError as exc:
-                if not isinstance(exc, FileNotFoundError):
-                    errors.append(f"stat {path}: {exc}")
-                continue
-            if not _stat.S_ISREG(st.st_mode):
-                continue  # symlinks are not outputs the job wrote
-            if since_wall is None or st.st_mtime >= since_wall:
-                found[path] = st.st_mtime
-    out_real = os.path.realpath(out_dir)
-    for c in candidates:
-        path = os.path.abspath(c)
-        if not os.path.realpath(path).startswith(out_real + os.sep):
-            skipped.append(Skipped(str(c), "outside the outputs directory: not touched"))
-            continue
-        try:
-            found.setdefault(path, os.lstat(path).st_mtime)
-        except FileNotFoundError:
-            continue  # never written: the resume writes it
-        except OSError as exc:
-            errors.append(f"stat {path}: {exc}")
-
-    open_real = {os.path.realpath(p) for p in open_paths}
-    order = sorted(found, key=lambda p: (-found[p], p))  # newest first: likeliest broken
-    checked = valid = 0
-    for i, path in enumerate(order):
-        if i >= max_files:
-            skipped.extend(Skipped(p, f"over max_files={max_files}") for p in order[i:])
-            break
-        if budget_s is not None and clock.monotonic() - t0 > budget_s:
-            skipped.extend(Skipped(p, f"over the time budget of {budget_s:g} s")
-                           for p in order[i:])
-            break
-        if os.path.realpath(path) in open_real:
-            skipped.append(Skipped(path, "open for writing by a live process"))
-            continue
-        try:
-            ok, reason = check(Path(path))
-        except Exception as exc:  # a checker bug must not stop the others
-            ok, reason = False, f"check failed: {type(exc).__name__}: {exc}"
-        checked += 1
-        if ok:
-            valid += 1
-            continue
-        rel = os.path.relpath(path, out_dir)
-        dst = qdir / rel
-        if dry_run:
-            quarantined.append(Quarantined(path, str(dst), reason))
-            continue
-        try:
-            moved = quarantine_file(path, dst)
-        except OSError as exc:
-            errors.append(f"{path} is broken ({reason}) but could not be quarantined: {exc}")
-            continue
-        quarantined.append(Quarantined(path, str(moved), reason))
-        _manifest(qdir, path, moved, reason, clock, notes)
-    return ValidationReport(
-        outputs_dir=str(out_dir), quarantine_dir=str(qdir), since_wall=since_wall,
-        dry_run=dry_run, scanned=scanned, checked=checked, valid=valid,
-        quarantined=tuple(quarantined), skipped=tuple(skipped), errors=tuple(errors),
-        notes=tuple(notes), duration_s=clock.monotonic() - t0,
-    )
-
-
-def _manifest(qdir: Path, src: str, dst: Path, reason: str, clock: Clock,
-              notes: list[str]) -> None:
-    """One JSON line per moved file, so a person finds out later why it is there."""
-    try:
-        with open(qdir / MANIFEST, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"at": clock.time(), "src": src, "dst": str(dst),
-                                "reason": reason}) + "\n")
+        out_fd = safefs.open_dir(out_dir)
+    except FileNotFoundError:
+        notes.append(f"{out_dir} does not exist: nothing was written, nothing to check")
+        return report()
     except OSError as exc:
-        notes.append(f"manifest not written for {dst}: {exc}")
+        errors.append(f"outputs {out_dir}: {exc}")
+        return report()
+    q_fd: int | None = None
+    try:
+        try:
+            q_fd = safefs.open_dir(qdir, create=not dry_run)
+            qst = os.fstat(q_fd)
+            q_ident: tuple[int, int] | None = (qst.st_dev, qst.st_ino)
+        except FileNotFoundError:
+            q_ident = None  # a dry run creates nothing
+        except OSError as exc:
+            errors.append(f"quarantine {qdir}: {exc}")
+            return report()
+        scanned, found = _walk(out_fd, out_dir, patterns, since_wall, q_ident, max_depth,
+                               errors, skipped)
+        for c in candidates:
+            parts = _rel_parts(c, out_dir)
+            if parts is None:
+                skipped.append(Skipped(str(c), "outside the outputs directory: not touched"))
+                continue
+            if parts in found:
+                continue
+            try:
+                pfd = _open_rel(out_fd, parts[:-1])
+                try:
+                    st = os.stat(parts[-1], dir_fd=pfd, follow_symlinks=False)
+                finally:
+                    os.close(pfd)
+            except FileNotFoundError:
+                continue  # never written: the resume writes it
+            except OSError as exc:
+                errors.append(f"stat {c}: {exc.strerror or exc}")
+                continue
+            if _stat.S_ISREG(st.st_mode):
+                found[parts] = _Found(st.st_mtime, (st.st_dev, st.st_ino))
+
+        open_rel = {p for p in (_rel_parts(o, out_dir) for o in open_paths) if p is not None}
+        order = sorted(found, key=lambda p: (-found[p].mtime, p))  # newest first
+        checked = valid = 0
+        for i, parts in enumerate(order):
+            path = str(out_dir.joinpath(*parts))
+            if i >= max_files:
+                skipped.extend(Skipped(str(out_dir.joinpath(*p)), f"over max_files={max_files}")
+                               for p in order[i:])
+                break
+            if budget_s is not None and clock.monotonic() - t0 > budget_s:
+                skipped.extend(Skipped(str(out_dir.joinpath(*p)),
+                                       f"over the time budget of {budget_s:g} s")
+                               for p in order[i:])
+                break
+            if parts in open_rel:
+                skipped.append(Skipped(path, "open for writing by a live process"))
+                continue
+            ok = _check_one(out_fd, parts, found[parts].ident, path, q_fd, qdir, check, dry_run,
+                            crc_max_bytes, use_torch, clock, errors, notes, quarantined)
+            if ok is None:
+                continue
+            checked += 1
+            valid += ok
+        return report(scanned, checked, valid)
+    finally:
+        os.close(out_fd)
+        if q_fd is not None:
+            os.close(q_fd)
+
+
+def _check_one(out_fd: int, parts: tuple[str, ...], ident: tuple[int, int], path: str,
+               q_fd: int | None, qdir: Path, check: Callable[[Path], FileCheck] | None,
+               dry_run: bool, crc_max_bytes: int | None, use_torch: bool | None, clock: Clock,
+               errors: list[str], notes: list[str], quarantined: list[Quarantined]) -> bool | None:
+    """Validate one file through its fd; move it when broken. True/False: valid or not; None:
+    not checked (gone, or no longer the file the walk saw)."""
+    try:
+        pfd = _open_rel(out_fd, parts[:-1])
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        errors.append(f"{path}: {exc.strerror or exc}")
+        return None
+    try:
+        try:
+            fd = safefs.open_in(pfd, parts[-1], where=path)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            errors.append(f"{path}: not checked: {exc.strerror or exc}")
+            return None
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != ident:
+                errors.append(f"{path}: replaced during the validation: not checked")
+                return None
+            via = Path(f"/proc/self/fd/{fd}")
+            try:
+                if check is not None:
+                    ok, reason = check(via)
+                else:
+                    ok, reason = validate_file(via, crc_max_bytes=crc_max_bytes,
+                                               use_torch=use_torch, name=parts[-1])
+            except Exception as exc:  # a checker bug must not stop the others
+                ok, reason = False, f"check failed: {type(exc).__name__}"
+            if ok:
+                return True
+            dst = qdir.joinpath(*parts)
+            if dry_run:
+                quarantined.append(Quarantined(path, str(dst), reason))
+                return False
+            try:
+                assert q_fd is not None
+                qpfd = _open_rel(q_fd, parts[:-1], create=True)
+                try:
+                    moved = _move_at(pfd, parts[-1], fd, qpfd, parts[-1])
+                finally:
+                    os.close(qpfd)
+            except OSError as exc:
+                errors.append(f"{path} is broken ({reason}) but could not be quarantined: "
+                              f"{exc.strerror or exc}")
+                return False
+            dst = dst.parent / moved
+            quarantined.append(Quarantined(path, str(dst), reason))
+            _manifest(q_fd, parts, path, dst, reason, clock, notes)
+            return False
+        finally:
+            os.close(fd)
+    finally:
+        os.close(pfd)
+
+
+def _manifest(q_fd: int, parts: tuple[str, ...], src: str, dst: Path, reason: str,
+              clock: Clock, notes: list[str]) -> None:
+    """One JSON line per moved file, in the quarantine (root's), so a person finds out later
+    why it is there. Names are data: JSON strings, every non-ASCII or undecodable byte escaped
+    (`\\udcXX` for a byte that is not UTF-8), never text a shell could read."""
+    line = json.dumps({"at": clock.time(), "src": src, "dst": str(dst),
+                       "relative": list(parts), "reason": reason}, ensure_ascii=True) + "\n"
+    try:
+        fd = safefs.open_in(q_fd, MANIFEST, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, line.encode("ascii"))
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        notes.append(f"manifest not written for {dst}: {exc.strerror or exc}")
