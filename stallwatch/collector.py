@@ -51,7 +51,10 @@ class Collector:
         self.runner = DeadlineRunner(clock)
         self.processes = ProcessesProbe(target, roots=roots, clock=clock)
         self.gpu = GpuProbe(nvml=nvml, clock=clock, slow_in_background=gpu_slow_in_background) if gpu else None
-        self.log = LogProbe(target.log, target.progress_regex, clock=clock) if target.log else None
+        reader = (None if target.log_reader_uid is None
+                  else (target.log_reader_uid, frozenset(target.log_reader_gids)))
+        self.log = LogProbe(target.log, target.progress_regex, clock=clock,
+                            reader=reader) if target.log else None
         self.outputs = (OutputsProbe(target.outputs, clock=clock, use_inotify=use_inotify, roots=roots)
                         if target.outputs else None)
         self.server = ServerProbe(target.server, clock=clock) if target.server else None

@@ -117,8 +117,14 @@ def subdir(dir_fd: int, name: str, *, create: bool = False, mode: int = 0o700) -
     _one(name)
     try:
         return os.open(name, _DIR, dir_fd=dir_fd)
-    except FileNotFoundError:
-        if not create:
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            try:
+                if stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+                    raise UnsafePath(name, "is a symlink: not followed") from None
+            except FileNotFoundError:
+                pass
+        if not isinstance(e, FileNotFoundError) or not create:
             raise
         try:
             os.mkdir(name, mode, dir_fd=dir_fd)

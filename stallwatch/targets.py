@@ -15,3 +15,7 @@ class Target(Frozen):
     progress_regex: str | None = None
     outputs: Path | None = None
     server: str | None = None  # base URL of an SGLang server
+    # Who must be able to read the log (the job's user, config `user`/`group`, for a log on its
+    # side): a log it could not read itself is refused (docs/security.md #5). None: no check.
+    log_reader_uid: int | None = None
+    log_reader_gids: tuple[int, ...] = ()

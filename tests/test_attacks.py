@@ -8,9 +8,11 @@ attacks, what stops each, and these tests. Root only (skipped with the reason ot
 
 from __future__ import annotations
 
+import json
 import os
-import signal
+import stat
 import subprocess
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -21,6 +23,20 @@ pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 SECRET_URL = "http://127.0.0.1:9/hook/SWATK-SECRET-URL-0123456789"
 AWS_SECRET = "SWATK-AWS-SECRET-abcdef"
+LOG_SECRET = "SWATK-LOG-SECRET-987654"
+EVIL_NAME = "data_$(touch PWNED).pt"
+
+# Every job's script runs its attack on the first run only (a marker file), then exits 0.
+ONCE = """
+import os, sys, time
+here = os.path.dirname(os.path.abspath(__file__))
+name = sys.argv[1]
+marker = os.path.join(here, name + ".ran")
+if os.path.exists(marker):
+    print("second run: nothing to do", flush=True)
+    sys.exit(0)
+open(marker, "w").close()
+"""
 
 
 def _attack_1(rig: AttackRig) -> None:
@@ -104,20 +120,171 @@ def _attack_7(rig: AttackRig) -> None:
     """
 
 
+def _attack_2(rig: AttackRig) -> None:
+    """#2: the old default quarantine `<outputs>.quarantine` made a symlink to a root directory,
+    a broken output named like a shell command; and (a2q) an admin-set quarantine in the user's
+    directory, made a symlink to a root directory."""
+    for d in ("etc2", "etc2q"):
+        rig.victim_path(d).mkdir(mode=0o755)
+    script = rig.user_script("a2.py", ONCE + f"""
+out = os.path.join(here, name + ".out")
+os.makedirs(out, exist_ok=True)
+os.symlink({str(rig.victim_path("etc2"))!r}, out + ".quarantine")
+os.symlink({str(rig.victim_path("etc2q"))!r}, os.path.join(here, name + ".q"))
+with open(os.path.join(out, {EVIL_NAME!r}), "wb") as f:
+    f.write(b"PK not really a zip")
+sys.exit(1)
+""")
+    for name, extra in (("a2", ""), ("a2q", f'quarantine = "{rig.home}/a2q.q"')):
+        rig.add_job(f"""
+            name = "{name}"
+            command = {rig.toml_list([rig.python, str(script), name])}
+            log = "{rig.home}/{name}.log"
+            outputs = "{rig.home}/{name}.out"
+            user = "65534"
+            restart = "on-failure"
+            max_restarts = 1
+            restart_backoff_s = 0.2
+            {extra}
+        """)
+
+
+def _attack_3(rig: AttackRig) -> None:
+    """#3: the desktop spool in the user's directory made a symlink to a root directory (the
+    old code chowned it to the user); and a status file forged into runs/ (what that chown made
+    possible), once owned by the user, once by root but naming a process that is no wrapper."""
+    rig.victim_path("d3").mkdir(mode=0o700)
+    r = rig.run_as_user("ln", "-s", str(rig.victim_path("d3")), str(rig.home / "spool"))
+    assert r.returncode == 0, r.stderr
+    rig.alerts_text += f"""
+        [[alert]]
+        type = "desktop"
+        mode = "spool"
+        user = "nobody"
+        spool_dir = "{rig.home}/spool"
+    """
+    victim = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    rig.forged_victim = victim
+    ticks = int(Path(f"/proc/{victim.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    runs = rig.state / "runs"
+    runs.mkdir(parents=True, mode=0o700, exist_ok=True)
+    rig.state.chmod(0o700)
+    doc = {"version": 1, "job": "a3f", "state": "running", "pid": victim.pid,
+           "start_ticks": ticks, "pgid": victim.pid, "wrapper_pid": victim.pid,
+           "wrapper_start_ticks": ticks, "argv": ["sleep"], "started_at": 0}
+    for seq, owner in ((5, ATTACKER), (6, 0)):
+        f = runs / f"a3f-{seq}.json"
+        f.write_text(json.dumps(doc))
+        os.chown(f, owner, owner)
+        f.chmod(0o644 if owner else 0o600)
+    script = rig.user_script("a3f.py", "import time\ntime.sleep(600)\n")
+    rig.add_job(f"""
+        name = "a3f"
+        command = {rig.toml_list([rig.python, str(script)])}
+        log = "{rig.home}/a3f.log"
+        user = "65534"
+    """)
+
+
+def _attack_4(rig: AttackRig) -> None:
+    """#4: the outputs' sub-directory flipped to a symlink and back, as fast as the attacker can,
+    from before the crash until well after the validation: at a root directory holding a device
+    node named like the broken output, and at another user's 0700 directory."""
+    devdir = rig.victim_path("dev4")
+    devdir.mkdir(mode=0o700)
+    os.mknod(devdir / "data_0.pt", 0o600 | stat.S_IFCHR, os.makedev(1, 5))  # /dev/zero
+    rig.other_file("data_0.pt", b"another user's broken checkpoint")
+    script = rig.user_script("a4.py", ONCE + f"""
+out = os.path.join(here, name + ".out")
+sub = os.path.join(out, "sub")
+os.makedirs(sub, exist_ok=True)
+with open(os.path.join(sub, "data_0.pt"), "wb") as f:
+    f.write(b"PK broken")
+if os.fork() == 0:  # the racer: its own session, so the kill of the job's group misses it
+    os.setsid()
+    targets = [{str(devdir)!r}, {str(rig.other)!r}]
+    end = time.monotonic() + 12
+    i = 0
+    while time.monotonic() < end:
+        try:
+            os.rename(sub, sub + ".real")
+            os.symlink(targets[i % 2], sub)
+            os.unlink(sub)
+            os.rename(sub + ".real", sub)
+        except OSError:
+            pass
+        i += 1
+    os._exit(0)
+time.sleep(0.3)
+sys.exit(1)
+""")
+    rig.add_job(f"""
+        name = "a4"
+        command = {rig.toml_list([rig.python, str(script), "a4"])}
+        log = "{rig.home}/a4.log"
+        outputs = "{rig.home}/a4.out"
+        user = "65534"
+        restart = "on-failure"
+        max_restarts = 1
+        restart_backoff_s = 0.2
+        validate_window_s = 3600
+    """)
+
+
+def _attack_5(rig: AttackRig) -> None:
+    """#5: the log replaced by a symlink to a root-only file whose last line is a secret, then a
+    crash: the alert (and its evidence) must not carry it. Twice: `user` set, and setpriv."""
+    # Shaped as a traceback: the crash rule quotes a log's fatal line in its evidence.
+    secret = rig.victim("secret5", ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+                                    f"RuntimeError: AWS_SECRET_ACCESS_KEY={LOG_SECRET}\n").encode(),
+                        0o600)
+    script = rig.user_script("a5.py", ONCE + f"""
+print("step 1 of 3", flush=True)
+log = os.path.join(here, name + ".log")
+os.unlink(log)
+os.symlink({str(secret)!r}, log)
+time.sleep(1.5)
+sys.exit(1)
+""")
+    for name, how in (("a5", 'user = "65534"'), ("a5s", "")):
+        cmd = [rig.python, str(script), name]
+        if not how:
+            cmd = rig.as_user(*cmd)
+        rig.add_job(f"""
+            name = "{name}"
+            command = {rig.toml_list(cmd)}
+            log = "{rig.home}/{name}.log"
+            {how}
+        """)
+    sink = rig.victim_path("alerts.jsonl")
+    argv = [sys.executable, "-c", "import sys; f = open(sys.argv[1], 'ab'); "
+            "f.write(sys.stdin.buffer.read() + bytes([10]))", str(sink)]
+    rig.alerts_text += f"""
+        [[alert]]
+        type = "command"
+        argv = {rig.toml_list(argv)}
+    """
+
+
 @pytest.fixture(scope="module", params=MODES)
 def attacked(request: pytest.FixtureRequest) -> Iterator[AttackRig]:
     with AttackRig(request.param) as rig:
-        rig.root_sleeper = None
+        rig.root_sleeper = rig.forged_victim = None
+        _attack_7(rig)  # first: it sets the alerts that the others add to
         _attack_1(rig)
+        _attack_2(rig)
+        _attack_3(rig)
+        _attack_4(rig)
+        _attack_5(rig)
         _attack_6_13(rig)
-        _attack_7(rig)
         rig.start(env={"SWATK_HOOK_URL": SECRET_URL, "AWS_SECRET_ACCESS_KEY": AWS_SECRET})
         try:
             yield rig
         finally:
-            if rig.root_sleeper is not None:
-                rig.root_sleeper.kill()
-                rig.root_sleeper.wait()
+            for p in (rig.root_sleeper, rig.forged_victim):
+                if p is not None:
+                    p.kill()
+                    p.wait()
 
 
 def _rss_bytes(pid: int) -> int:
@@ -182,3 +349,79 @@ def test_7_the_job_never_sees_the_daemons_secrets(attacked: AttackRig) -> None:
     assert AWS_SECRET not in text and "AWS_SECRET_ACCESS_KEY" not in text
     # Its parent (the wrapper, root) is not readable to it at all.
     assert "Permission denied" in text
+
+
+def test_2_quarantine_and_manifest_live_on_roots_side_names_kept_as_data(
+        attacked: AttackRig) -> None:
+    rig = attacked
+    q = rig.state / "quarantine" / "a2"
+    rig.wait_for(lambda: (q / "MANIFEST.jsonl").exists() and rig.phase("a2") == "finished", 60,
+                 "a2's broken output quarantined and its second run finished")
+    assert list(rig.victim_path("etc2").iterdir()) == []  # the old default's symlink: unused
+    st = q.stat()
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o700)
+    assert (q / EVIL_NAME).is_file() and not (rig.home / "a2.out" / EVIL_NAME).exists()
+    line, = (q / "MANIFEST.jsonl").read_text().splitlines()
+    doc = json.loads(line)
+    assert doc["relative"] == [EVIL_NAME] and doc["dst"] == str(q / EVIL_NAME)
+    assert not any(p.name == "PWNED" for p in rig.base.rglob("PWNED"))
+
+
+def test_2_a_quarantine_set_in_the_users_directory_is_not_followed(attacked: AttackRig) -> None:
+    rig = attacked
+    rig.wait_for(lambda: rig.phase("a2q") == "stopped", 60, "a2q to give up")
+    assert list(rig.victim_path("etc2q").iterdir()) == []
+    validate = [a["outcome"] for a in rig.actions("a2q", "validate")]
+    assert any("symlink" in o for o in validate), validate
+    gave_up = [a["outcome"] for a in rig.actions("a2q", "give_up")]
+    assert any("could not be moved aside" in o or "quarantine" in o for o in gave_up), gave_up
+    assert (rig.home / "a2q.out" / EVIL_NAME).exists()  # left in place, not lost
+
+
+def test_3_a_desktop_spool_symlinked_to_a_root_directory_is_never_chowned(
+        attacked: AttackRig) -> None:
+    rig = attacked
+    rig.wait_for(lambda: "desktop spool" in rig.daemon_log(), 60, "a desktop delivery attempt")
+    d3 = rig.victim_path("d3")
+    st = d3.stat()
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, 0, 0o700)
+    assert list(d3.iterdir()) == []
+    assert "home/spool: is a symlink: not followed" in rig.daemon_log()
+
+
+def test_3_a_forged_status_file_is_never_adopted(attacked: AttackRig) -> None:
+    rig = attacked
+    rig.wait_for(lambda: rig.phase("a3f") == "running", 60, "a3f to run its own process")
+    runs = rig.q("SELECT * FROM runs WHERE job = 'a3f'")
+    assert runs and all(r["pid"] != rig.forged_victim.pid for r in runs), runs
+    assert all(r["seq"] > 6 for r in runs), runs  # never reused the forged numbers either
+    assert rig.job("a3f")["pid"] != rig.forged_victim.pid
+    assert rig.forged_victim.poll() is None  # root's process: neither adopted nor signalled
+    assert "not a wrapper of ours" in rig.daemon_log()
+
+
+def test_4_outputs_flipped_to_symlinks_during_validation_touch_nothing_outside(
+        attacked: AttackRig) -> None:
+    rig = attacked
+    rig.wait_for(lambda: rig.phase("a4") in ("finished", "stopped"), 90, "a4's recovery to end")
+    assert rig.actions("a4", "validate"), rig.actions("a4")
+    dev = rig.victim_path("dev4") / "data_0.pt"
+    assert stat.S_ISCHR(os.lstat(dev).st_mode)  # the device node is still there
+    assert (rig.other / "data_0.pt").read_bytes() == b"another user's broken checkpoint"
+    q = rig.state / "quarantine" / "a4"
+    size = sum(p.stat().st_size for p in q.rglob("*") if p.is_file()) if q.exists() else 0
+    assert size < 1 << 20, size  # no unbounded copy of /dev/zero
+    assert _rss_bytes(rig.daemon.pid) < 400 << 20
+
+
+@pytest.mark.parametrize("name", ["a5", "a5s"])
+def test_5_a_log_symlinked_to_a_root_secret_never_reaches_alerts(attacked: AttackRig,
+                                                                  name: str) -> None:
+    rig = attacked
+    sink = rig.victim_path("alerts.jsonl")
+    rig.wait_for(lambda: sink.exists() and f'"job": "{name}"' in sink.read_text()
+                 and rig.phase(name) == "stopped", 60, f"{name}'s crash alert")
+    assert LOG_SECRET not in sink.read_text()
+    assert LOG_SECRET not in rig.daemon_log()
+    assert LOG_SECRET not in json.dumps(rig.q("SELECT * FROM incidents"))
+    assert rig.victim_path("secret5").read_bytes().endswith(f"{LOG_SECRET}\n".encode())

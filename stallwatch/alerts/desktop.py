@@ -22,6 +22,7 @@ resolved or repeated event replaces the incident's earlier notification (replace
 from __future__ import annotations
 
 import argparse
+import errno
 import itertools
 import json
 import os
@@ -239,28 +240,52 @@ class Spool:
                 raise PermanentError(f"desktop: no such user '{user}'") from None
         self._ready = False
 
-    def _prepare(self) -> None:
-        if self._ready:
-            return
-        parent = self.dir.parent
-        if not parent.exists():
-            parent.mkdir(parents=True, exist_ok=True)
-            os.chmod(parent, 0o711)  # the users may pass through, not list
-        self.dir.mkdir(mode=0o700, exist_ok=True)
-        if self._uid is not None:
-            st = self.dir.stat()
-            if st.st_uid != self._uid:
-                os.chown(self.dir, self._uid, self._gid)  # type: ignore[arg-type]
-            os.chmod(self.dir, 0o700)
-            blocked = self._blocking_ancestor()
-            if blocked is not None:
-                path, mode = blocked
-                raise PermanentError(
-                    f"desktop: {self.user} cannot reach {self.dir}: {path} is mode {mode:04o}. "
-                    f"Let users pass through it (chmod o+x {path}; under systemd "
-                    f"StateDirectoryMode=0711 in stallwatch.service) or set spool_dir to a "
-                    f"directory they can reach")
-        self._ready = True
+    def _open(self) -> int:
+        """The spool directory's fd, made (0700, then given to the user) on first use.
+
+        The directory is on the user's side once it is theirs, and a spool_dir set outside
+        the state directory may lie in a place the user can write: so it is resolved without
+        following a link another user could have made (stallwatch.safefs), created and handed
+        over by fchownat without following a link, and every file in it is created relative to
+        its fd. A spool made a symlink to /var/lib/stallwatch/runs is refused, never chowned
+        (docs/security.md #3)."""
+        from stallwatch import safefs
+
+        if not self._ready:
+            parent = self.dir.parent
+            created = not parent.exists()
+            pfd = safefs.open_dir(parent, create=True)
+            try:
+                if created:
+                    os.chmod(pfd_path(pfd), 0o711)  # the users may pass through, not list
+                dfd = safefs.subdir(pfd, self.dir.name, create=True)
+                try:
+                    st = os.fstat(dfd)
+                    if self._uid is not None and st.st_uid != self._uid:
+                        if st.st_uid != os.geteuid():
+                            raise PermissionError(errno.EPERM, "owned by another user")
+                        now = os.stat(self.dir.name, dir_fd=pfd, follow_symlinks=False)
+                        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                            raise PermissionError(errno.EPERM, "replaced while it was prepared")
+                        os.chown(self.dir.name, self._uid, self._gid,  # type: ignore[arg-type]
+                                 dir_fd=pfd, follow_symlinks=False)
+                    if stat.S_IMODE(st.st_mode) != 0o700:
+                        os.chmod(pfd_path(dfd), 0o700)
+                finally:
+                    os.close(dfd)
+            finally:
+                os.close(pfd)
+            if self._uid is not None:
+                blocked = self._blocking_ancestor()
+                if blocked is not None:
+                    path, mode = blocked
+                    raise PermanentError(
+                        f"desktop: {self.user} cannot reach {self.dir}: {path} is mode {mode:04o}. "
+                        f"Let users pass through it (chmod o+x {path}; under systemd "
+                        f"StateDirectoryMode=0711 in stallwatch.service) or set spool_dir to a "
+                        f"directory they can reach")
+            self._ready = True
+        return safefs.open_dir(self.dir)
 
     def _blocking_ancestor(self) -> tuple[Path, int] | None:
         """The first directory above the spool that the user may not traverse, if any."""
@@ -281,21 +306,28 @@ class Spool:
         return None
 
     def put(self, doc: dict[str, Any]) -> Path:
+        from stallwatch import safefs
+
         try:
-            self._prepare()
-            name = f"{time.time_ns():020d}-{os.getpid()}-{next(self._seq):06d}.json"
-            tmp = self.dir / f".{name}.tmp"
-            data = json.dumps(doc, ensure_ascii=False).encode("utf-8")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            dfd = self._open()
             try:
-                os.write(fd, data)
-                if self._uid is not None:
-                    os.fchown(fd, self._uid, self._gid)  # type: ignore[arg-type]
+                name = f"{time.time_ns():020d}-{os.getpid()}-{next(self._seq):06d}.json"
+                tmp = f".{name}.tmp"
+                data = json.dumps(doc, ensure_ascii=False).encode("utf-8")
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+                try:
+                    os.write(fd, data)
+                    if self._uid is not None:
+                        os.fchown(fd, self._uid, self._gid)  # type: ignore[arg-type]
+                finally:
+                    os.close(fd)
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                return self.dir / name
             finally:
-                os.close(fd)
-            final = self.dir / name
-            os.replace(tmp, final)
-            return final
+                os.close(dfd)
+        except safefs.UnsafePath as e:
+            raise PermanentError(f"desktop spool {self.dir}: {e.why}") from None
         except PermissionError as e:
             hint = ""
             if self._uid is not None:
@@ -304,6 +336,11 @@ class Spool:
             raise PermanentError(f"desktop spool {self.dir}: {e.strerror}{hint}") from None
         except OSError as e:
             raise RetryableError(f"desktop spool {self.dir}: {e.strerror or e}") from None
+
+
+def pfd_path(fd: int) -> str:
+    """A path that names exactly the directory an fd holds (chmod of an O_PATH fd)."""
+    return f"/proc/self/fd/{fd}"
 
 
 # ------------------------------------------------------------------------------- the sink

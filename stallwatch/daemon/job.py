@@ -191,9 +191,16 @@ class JobRunner:
     def _target(self, pids: tuple[int, ...] = ()):
         from stallwatch.targets import Target
 
+        run_as = None
+        if self.cfg.log is not None:  # the default log is root's (state_dir/logs): no check
+            try:
+                run_as = resolve_user(self.cfg.user, self.cfg.group)
+            except SpawnError:
+                pass  # said where it matters: the start fails with it
         return Target(name=self.name, pids=pids, match=self.cfg.match, log=self.log_path(),
                       progress_regex=self.cfg.progress_regex, outputs=self.cfg.outputs,
-                      server=self.cfg.server)
+                      server=self.cfg.server, log_reader_uid=run_as.uid if run_as else None,
+                      log_reader_gids=(run_as.gid, *run_as.groups) if run_as else ())
 
     def _ensure_collector(self, pids: tuple[int, ...] = ()) -> None:
         if self.collector is not None:

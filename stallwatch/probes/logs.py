@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal
 
+from stallwatch import safefs
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.model import Frozen
 from stallwatch.progress import (
@@ -58,8 +59,12 @@ class LogFollower:
     def __init__(
         self, path: str | os.PathLike[str], *, max_line_bytes: int = 64 * 1024,
         initial_tail_bytes: int = 1 << 20, chunk_budget_bytes: int = 2 << 20, read_size: int = 1 << 20,
+        reader: tuple[int, frozenset[int]] | None = None,
     ) -> None:
         self.path = os.fspath(path)
+        # (uid, gids) of the job's user: a log it could not read itself is refused, so that
+        # nothing it cannot read reaches alerts and evidence through its log (security.md #5).
+        self.reader = reader
         self.max_line_bytes = max_line_bytes
         self.initial_tail_bytes = initial_tail_bytes
         self.chunk_budget_bytes = chunk_budget_bytes
@@ -81,14 +86,26 @@ class LogFollower:
 
     def poll(self) -> FollowResult:
         try:
+            # The log is on the job user's side (docs/security.md): its directories resolved
+            # without following a link the user could have made, the file itself never a link.
             # O_NONBLOCK: opening a FIFO put in place of the log must not wait for a writer.
-            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            parent, name = os.path.split(os.path.abspath(self.path))
+            dfd = safefs.open_dir(parent)
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW,
+                             dir_fd=dfd)
+            finally:
+                os.close(dfd)
         except FileNotFoundError:
             self._vanished = self.ident is not None
             return FollowResult(LogStatus.absent, f"{self.path} does not exist")
+        except safefs.UnsafePath as e:
+            return FollowResult(LogStatus.denied, f"{e}")
         except PermissionError as e:
             return FollowResult(LogStatus.denied, f"{self.path}: {e.strerror}")
         except OSError as e:
+            if e.errno == errno.ELOOP:
+                return FollowResult(LogStatus.denied, f"{self.path} is a symlink: not followed")
             st = LogStatus.absent if e.errno == errno.ENOTDIR else LogStatus.error
             return FollowResult(st, f"{self.path}: {e.strerror or e}")
         try:
@@ -108,6 +125,9 @@ class LogFollower:
             res.error = f"{self.path} is {kind}"
             self._vanished = self.ident is not None
             return res
+        if self.reader is not None and not safefs.readable_by(st, *self.reader):
+            return FollowResult(LogStatus.denied, f"{self.path} is a file uid {self.reader[0]} "
+                                                  "(the job's user) cannot read: refused")
         budget = self.chunk_budget_bytes
         if self.ident is None:
             # First sight: learn history from the tail only, whatever the file's size.
@@ -318,13 +338,14 @@ class LogProbe:
         self, path: str | os.PathLike[str], progress_regex: str | None = None, clock: Clock = SYSTEM_CLOCK,
         tail_lines: int = 20, max_line_bytes: int = 64 * 1024, initial_tail_bytes: int = 1 << 20,
         chunk_budget_bytes: int = 2 << 20, rate_window_s: float = 120.0, name: str = "log",
+        reader: tuple[int, frozenset[int]] | None = None,
     ) -> None:
         self.name = name  # DeadlineRunner keys in-flight calls by name: one per job's log
         self.parser = ProgressParser(progress_regex)  # raises ValueError for a bad regex, up front
         self.clock = clock
         self.follower = LogFollower(
             path, max_line_bytes=max_line_bytes, initial_tail_bytes=initial_tail_bytes,
-            chunk_budget_bytes=chunk_budget_bytes,
+            chunk_budget_bytes=chunk_budget_bytes, reader=reader,
         )
         self.rate_window_s = rate_window_s
         self._tail: deque[str] = deque(maxlen=max(1, tail_lines))
