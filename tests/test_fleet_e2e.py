@@ -341,6 +341,7 @@ def test_three_hosts_one_fault_one_page(tmp_path):
                    "daemon_killed_to_page_s": round(down.at - t_kill, 1)}
         (tmp_path / "timings.json").write_text(json.dumps(timings))
         print("fleet timings:", json.dumps(timings))
+        print("the page:", json.dumps(page.body, indent=1))
     finally:
         svc.close()
         kill_naming(marker)
