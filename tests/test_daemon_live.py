@@ -354,6 +354,34 @@ def test_crash_loop_restarted_max_times_then_stopped_with_alert(h: Harness, webh
     assert h.stop(daemon) == 0
 
 
+def test_status_after_give_up_shows_the_hang_and_stallwatchs_kill(h: Harness, tmp_path: Path) -> None:
+    """Every run deadlocks: hang, killed, restarted once, hang again, killed, given up. `status`
+    shows the verdict that led there (hang, "gave up after 1 restart"), not the `crash` by
+    SIGTERM that stallwatch's own kill caused, and says who ended the last run."""
+    h.write_config(["--count", "12", "--interval", "0.1", "--deadlock-at", "3"],
+                   rules=fast_rules(tmp_path / "rules"), job="max_restarts = 1\nstartup_grace_s = 2")
+    daemon = h.start()
+    h.wait_phase("stopped", 90)
+    assert h.job()["restarts"] == 1 and len(h.actions("give_up")) == 1
+    assert json.loads(h.job()["verdict_json"])["kind"] == "crash"  # what the last tick saw
+    doc = h.status_json()
+    j, = doc["jobs"]
+    assert j["phase"] == "stopped"
+    assert j["verdict"]["kind"] == "hang", j["verdict"]
+    assert j["verdict"]["summary"].endswith("; gave up after 1 restart"), j["verdict"]
+    assert j["verdict"]["gave_up"]["last_verdict"]["kind"] == "crash"
+    assert "restart budget used up" in j["verdict"]["gave_up"]["outcome"]
+    last = j["last_exit"]
+    assert last["caused_by"] == "stallwatch" and last["returncode"] < 0, last
+    assert last["text"].startswith("killed by SIG") and "stallwatch's kill (incident #" in last["text"]
+    assert last["incident"] == j["verdict"]["gave_up"]["incident"]
+    r = subprocess.run([sys.executable, "-m", "stallwatch", "status", "--config", str(h.cfg),
+                        "--state-dir", str(h.state)], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "COLUMNS": "200"})
+    assert "gave up after 1 restart" in r.stdout and "last exit: killed by SIG" in r.stdout, r.stdout
+    assert h.stop(daemon) == 0
+
+
 @pytest.mark.parametrize("reset_after", ['"2s"', "0"])
 def test_a_run_that_stayed_up_resets_the_restart_streak(h: Harness, reset_after: str) -> None:
     """Failures far apart are not a crash loop: a run that stayed up restart_reset_after_s with no

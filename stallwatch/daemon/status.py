@@ -70,7 +70,9 @@ def status_doc(db: StateDB, state_dir: Path, job_names: list[str] | None = None,
         except ValueError:
             cfg = {}
         incidents = []
+        verdicts: dict[int, str] = {}  # the verdict each incident opened with, as stored
         for inc in db.incidents(name, limit=incidents_limit):
+            verdicts[inc["id"]] = inc["verdict_json"]
             incidents.append({
                 "id": inc["id"], "kind": inc["kind"], "episode": inc["episode"],
                 "state": inc["state"], "started_at": inc["started_at"],
@@ -81,6 +83,9 @@ def status_doc(db: StateDB, state_dir: Path, job_names: list[str] | None = None,
                             for a in db.actions(inc["id"])],
             })
         supervised = row["mode"] == "command"
+        last_exit = _last_exit(db.latest_run(name), incidents) if supervised else None
+        if row["phase"] == "stopped":
+            verdict = _gave_up_verdict(verdict, incidents, verdicts, row["restarts"]) or verdict
         doc = {
             "name": name,
             "verdict": verdict,
@@ -96,6 +101,7 @@ def status_doc(db: StateDB, state_dir: Path, job_names: list[str] | None = None,
             "start_ticks": row["start_ticks"],
             "verdict_at": row["verdict_at"],
             "open_incidents": sum(1 for i in incidents if i["state"] == "open"),
+            "last_exit": last_exit,
             "configured": job_names is None or name in job_names,
         }
         if not supervised:
@@ -125,6 +131,54 @@ def status_doc(db: StateDB, state_dir: Path, job_names: list[str] | None = None,
         "alerts": alerts,
         "state_dir": str(state_dir),
     }
+
+
+def _gave_up_verdict(verdict: dict[str, Any], incidents: list[dict[str, Any]],
+                     verdicts: dict[int, str], restarts: int) -> dict[str, Any] | None:
+    """A job the recovery gave up on reads as the verdict that led there, not as the exit
+    stallwatch's own kill caused (a `crash` by SIGTERM): the incident's verdict, and how it ended."""
+    inc = next((i for i in reversed(incidents)
+                if any(a["what"] == "give_up" for a in i["actions"])), None)
+    if inc is None:
+        return None
+    try:
+        vd = json.loads(verdicts.get(inc["id"]) or "{}")
+    except ValueError:
+        vd = {}
+    vd = {"kind": inc["kind"], "summary": inc["summary"], **vd}
+    word = "restart" if restarts == 1 else "restarts"
+    vd["summary"] = f"{vd.get('summary') or inc['kind']}; gave up after {restarts} {word}"
+    vd["gave_up"] = {"incident": inc["id"], "restarts": restarts,
+                     "outcome": next(a["outcome"] for a in inc["actions"] if a["what"] == "give_up"),
+                     "last_verdict": verdict}
+    return vd
+
+
+def _last_exit(run: dict[str, Any] | None, incidents: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """How the latest run ended, and whether stallwatch's recovery killed it (a kill action of
+    one of its incidents between the run's start and end)."""
+    if run is None or run.get("ended_at") is None:
+        return None
+    rc = run.get("returncode")
+    kill = next((i for i in reversed(incidents) for a in i["actions"]
+                 if a["what"] == "kill" and str(a["outcome"]).startswith("done")
+                 and run["started_at"] <= a["at"] <= run["ended_at"]), None)
+    how = ("unknown" if rc is None else
+           f"killed by {_signame(-rc)}" if rc < 0 else f"exit code {rc}")
+    by = "stallwatch" if kill is not None else "the job"
+    text = how + (f": stallwatch's kill (incident #{kill['id']}, {kill['kind']})"
+                  if kill is not None else "")
+    return {"returncode": rc, "ended_at": run["ended_at"], "end_reason": run.get("end_reason"),
+            "caused_by": by, "incident": kill["id"] if kill is not None else None, "text": text}
+
+
+def _signame(n: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
 
 
 def exit_code(doc: dict[str, Any]) -> int:
@@ -168,7 +222,8 @@ def render_status(doc: dict[str, Any], console) -> None:
                   str(j["pid"] or "-"),
                   f"{j.get('open_incidents', 0)} open / {len(j['incidents'])}",
                   j["verdict"].get("summary", "") + (f"\n{j['phase_detail']}"
-                                                     if j.get("phase_detail") else ""))
+                                                     if j.get("phase_detail") else "")
+                  + (f"\nlast exit: {j['last_exit']['text']}" if j.get("last_exit") else ""))
     console.print(t)
     for j in doc["jobs"]:
         for inc in j["incidents"][-5:]:
