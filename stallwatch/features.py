@@ -744,8 +744,9 @@ def _activity(v: dict[str, Any]) -> dict[str, Any]:
         ages.append((v["outputs"]["change_age_s"], "outputs"))
     # CPU alone is not counted as work: a busy loop spins without progress, and that is a hang.
     age, what = min(ages, default=(-1.0, ""))
+    # A stopped job (every process in T) works no more, whatever moved just before it stopped.
     return {"known": bool(ages), "age_s": age, "what": what,
-            "working": bool(ages) and 0 <= age < ACTIVITY_WINDOW_S}
+            "working": bool(ages) and 0 <= age < ACTIVITY_WINDOW_S and not v["job"]["stopped"]}
 
 
 def human_bytes(n: float) -> str:
