@@ -46,6 +46,25 @@ toml() {
   printf '"%s"' "$s"
 }
 
+# The job's environment. stallwatch gives a supervised job only PATH, the locale and TMPDIR of
+# its own (stallwatch.daemon.supervise: the daemon's secrets stay with it), so this task's
+# environment is passed on explicitly as the job's `env`: Slurm's SLURM_* and
+# CUDA_VISIBLE_DEVICES, the user's modules, conda, tokens. Not STALLWATCH_* (the alert webhook
+# is stallwatch's). A value with control characters TOML cannot carry is left out, with a note.
+job_env() {
+  local name value
+  while IFS= read -r name; do
+    case "$name" in STALLWATCH_*|_|SHLVL|PWD|OLDPWD) continue ;; esac
+    [[ "$name" =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || continue
+    value="${!name}"
+    if [[ "${value//[$'\n\t\r']/}" =~ [[:cntrl:]] ]]; then
+      echo "stallwatch-node: $name has control characters: not passed to the job" >&2
+      continue
+    fi
+    printf '%s = %s\n' "$name" "$(toml "$value")"
+  done < <(compgen -e)
+}
+
 cmd=""
 for a in "$@"; do
   a="${a//\{shard\}/$node_id}"
@@ -72,6 +91,9 @@ config="$workdir/stallwatch.toml"
   echo "max_restarts = $max_restarts"
   # A death by signal while Slurm ends the allocation (scancel, time limit) is not a crash.
   echo "slurm_job_id = $(toml "$SLURM_JOB_ID")"
+  echo
+  echo "[job.env]"
+  job_env
   if [ -n "${STALLWATCH_ALERT_WEBHOOK:-}" ]; then
     echo
     echo "[[alert]]"
