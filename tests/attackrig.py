@@ -335,13 +335,41 @@ evidence = false
                 except ProcessLookupError:
                     pass
             time.sleep(0.2)
-        shutil.rmtree(self.base, ignore_errors=True)
+        rmtree(self.base)
 
     def __enter__(self) -> "AttackRig":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
+
+
+def rmtree(path: Path) -> None:
+    """shutil.rmtree without recursion and without following links: an attack may leave a tree
+    thousands of levels deep (shutil's own walk recurses into a RecursionError there)."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        top = os.open(path, flags)
+    except FileNotFoundError:
+        return
+    stack: list[tuple[int, str]] = [(top, "")]
+    while stack:
+        fd, _ = stack[-1]
+        sub = None
+        with os.scandir(fd) as it:
+            for e in it:
+                if e.is_dir(follow_symlinks=False):
+                    sub = e.name
+                    break
+                os.unlink(e.name, dir_fd=fd)
+        if sub is not None:
+            stack.append((os.open(sub, flags, dir_fd=fd), sub))
+            continue
+        os.close(fd)
+        stack.pop()
+        if stack:
+            os.rmdir(_, dir_fd=stack[-1][0])
+    os.rmdir(path)
 
 
 @pytest.fixture(params=MODES)

@@ -266,6 +266,34 @@ sys.exit(1)
     """
 
 
+def _attack_12(rig: AttackRig) -> None:
+    """#12 (the walk): a 1,500-deep directory tree in the outputs, then a crash: the validation
+    walked it recursively (25 s of CPU, then RecursionError, and the daemon gave up)."""
+    script = rig.user_script("a12.py", ONCE + """
+out = os.path.join(here, name + ".out")
+os.makedirs(out, exist_ok=True)
+with open(os.path.join(out, "data_0.pt"), "wb") as f:
+    f.write(b"broken")
+fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+for _ in range(1500):
+    os.mkdir("d", dir_fd=fd)
+    nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+    os.close(fd)
+    fd = nfd
+sys.exit(1)
+""")
+    rig.add_job(f"""
+        name = "a12"
+        command = {rig.toml_list([rig.python, str(script), "a12"])}
+        log = "{rig.home}/a12.log"
+        outputs = "{rig.home}/a12.out"
+        user = "65534"
+        restart = "on-failure"
+        max_restarts = 1
+        restart_backoff_s = 0.2
+    """)
+
+
 @pytest.fixture(scope="module", params=MODES)
 def attacked(request: pytest.FixtureRequest) -> Iterator[AttackRig]:
     with AttackRig(request.param) as rig:
@@ -277,6 +305,7 @@ def attacked(request: pytest.FixtureRequest) -> Iterator[AttackRig]:
         _attack_4(rig)
         _attack_5(rig)
         _attack_6_13(rig)
+        _attack_12(rig)
         rig.start(env={"SWATK_HOOK_URL": SECRET_URL, "AWS_SECRET_ACCESS_KEY": AWS_SECRET})
         try:
             yield rig
@@ -364,7 +393,9 @@ def test_2_quarantine_and_manifest_live_on_roots_side_names_kept_as_data(
     line, = (q / "MANIFEST.jsonl").read_text().splitlines()
     doc = json.loads(line)
     assert doc["relative"] == [EVIL_NAME] and doc["dst"] == str(q / EVIL_NAME)
-    assert not any(p.name == "PWNED" for p in rig.base.rglob("PWNED"))
+    # never run by a shell anywhere it could have been (the daemon's cwd, the job's, root's)
+    assert [d for d in (rig.admin, rig.home, rig.state, rig.vault, q, Path("/"))
+            if (d / "PWNED").exists()] == []
 
 
 def test_2_a_quarantine_set_in_the_users_directory_is_not_followed(attacked: AttackRig) -> None:
@@ -425,3 +456,13 @@ def test_5_a_log_symlinked_to_a_root_secret_never_reaches_alerts(attacked: Attac
     assert LOG_SECRET not in rig.daemon_log()
     assert LOG_SECRET not in json.dumps(rig.q("SELECT * FROM incidents"))
     assert rig.victim_path("secret5").read_bytes().endswith(f"{LOG_SECRET}\n".encode())
+
+
+def test_12_a_1500_deep_outputs_tree_is_walked_to_a_bound_and_the_job_resumed(
+        attacked: AttackRig) -> None:
+    rig = attacked
+    rig.wait_for(lambda: rig.phase("a12") in ("finished", "stopped"), 60, "a12's recovery")
+    validate, = rig.actions("a12", "validate")
+    assert "quarantined 1" in validate["outcome"] and "max_depth=64" in validate["outcome"]
+    assert rig.phase("a12") == "finished"
+    assert "RecursionError" not in rig.daemon_log()

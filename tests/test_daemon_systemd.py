@@ -41,6 +41,8 @@ def test_unit_settings() -> None:
     caps = set(s["CapabilityBoundingSet"][0].split())
     assert {"CAP_KILL", "CAP_SYS_PTRACE", "CAP_SYS_ADMIN", "CAP_SYSLOG",
             "CAP_DAC_READ_SEARCH"} <= caps
+    # a job's `user`: its first stage drops to it (docs/security.md)
+    assert {"CAP_SETUID", "CAP_SETGID"} <= caps
     for forbidden in ("PrivateDevices", "ProtectProc", "ProcSubset", "ProtectKernelLogs",
                       "PrivateTmp", "MemoryDenyWriteExecute"):
         assert forbidden not in s, f"{forbidden} would blind the watchdog (FIELD.md)"

@@ -103,3 +103,68 @@ def test_systemd_run_choice_and_argv(tmp_path: Path) -> None:
     assert tail[tail.index("--log"):tail.index("--log") + 4] == ["--log", "/data/x.log",
                                                                   "--cwd", "/data"]
     assert tail[-3:] == ["--", "python", "x.py"]
+
+
+# ------------------------------------------------------------- the trust boundary (security.md)
+
+def test_the_job_runs_as_its_user_with_a_built_environment(tmp_path: Path, monkeypatch) -> None:
+    import json
+    import shutil
+    import tempfile
+
+    from stallwatch.daemon.supervise import resolve_user
+
+    if os.geteuid() != 0:
+        import pytest
+        pytest.skip("needs root: the wrapper drops to another user")
+    monkeypatch.setenv("SLACK_WEBHOOK_URL", "https://hooks.example/SECRET")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "SECRET2")
+    home = Path(tempfile.mkdtemp(prefix="swwrap-"))  # reachable by nobody, unlike tmp_path
+    try:
+        home.chmod(0o711)
+        (home / "u").mkdir()
+        os.chown(home / "u", 65534, 65534)
+        log = home / "u" / "j.log"
+        code = ("import os, json; print(json.dumps([os.getresuid(), os.getresgid(), "
+                "os.getgroups(), dict(os.environ), os.getcwd()]))")
+        python = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
+        sp = spawn("j", 1, (python, "-c", code), status_file=tmp_path / "runs" / "j-1.json",
+                   log=log, cwd=home / "u", env={"X_TEST": "1"}, systemd_run=False,
+                   run_as=resolve_user("65534"))
+        assert sp.popen.wait(30) == 0, (tmp_path / "runs" / "j-1.out").read_text()
+        uids, gids, groups, env, cwd = json.loads(log.read_text())
+        assert uids == [65534] * 3 and gids[0] == gids[1] == gids[2] and 0 not in groups
+        assert log.stat().st_uid == 65534  # opened by the job's user, not by root
+        assert env["X_TEST"] == "1" and "PATH" in env and cwd == str(home / "u")
+        assert "SLACK_WEBHOOK_URL" not in env and "AWS_SECRET_ACCESS_KEY" not in env
+    finally:
+        shutil.rmtree(home)
+
+
+def test_status_files_are_read_only_when_provably_the_wrappers(tmp_path: Path) -> None:
+    import json
+
+    from stallwatch.daemon.supervise import status_authentic
+
+    runs = tmp_path / "runs"
+    runs.mkdir(mode=0o700)
+    doc = {"state": "running", "pid": 1, "start_ticks": 1, "wrapper_pid": None}
+    f = runs / "j-1.json"
+    f.write_text(json.dumps(doc))
+    f.chmod(0o600)
+    assert read_status(f) == doc
+    assert "names pid 1" in status_authentic(doc, f)
+    # the wrapper we started is the only one whose word counts
+    doc2 = {**doc, "pid": 12345, "wrapper_pid": 999, "wrapper_start_ticks": 7}
+    assert "not the wrapper started" in status_authentic(doc2, f, wrapper=(1000, 7))
+    # writable by others, a link, too big: not read at all
+    f.chmod(0o622)
+    assert read_status(f) is None
+    f.chmod(0o600)
+    os.symlink(f, runs / "j-2.json")
+    assert read_status(runs / "j-2.json") is None
+    (runs / "j-3.json").write_text(" " * (70 << 10) + "{}")
+    assert read_status(runs / "j-3.json") is None
+    if os.geteuid() == 0:
+        os.chown(f, 65534, 65534)  # someone else's file in our directory
+        assert read_status(f) is None

@@ -348,3 +348,81 @@ def test_open_files_dry_run_candidates_and_limits(tmp_path):
 def test_missing_outputs_dir_is_nothing_to_check(tmp_path):
     rep = validate_outputs(tmp_path / "never-made", None, tmp_path / "q")
     assert rep.safe_to_resume and rep.checked == 0 and "does not exist" in rep.notes[0]
+
+
+def _deep_tree(top: Path, depth: int) -> None:
+    """`depth` nested directories, made relative to fds (the full path may pass PATH_MAX)."""
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(depth):
+        os.mkdir("d", dir_fd=fd)
+        nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = nfd
+    with open(os.open("deep.pt", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd), "wb") as f:
+        f.write(b"broken")
+    os.close(fd)
+
+
+def _remove_deep(top: Path) -> None:
+    """Remove a chain made by _deep_tree (and its quarantine copy) without recursion: pytest's
+    own clean-up of its temp dirs is recursive and would fail on it, for every later session."""
+    if not top.exists():
+        return
+    fds = [os.open(top, os.O_RDONLY | os.O_DIRECTORY)]
+    while True:
+        try:
+            fds.append(os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fds[-1]))
+        except FileNotFoundError:
+            break
+    for i in range(len(fds) - 1, 0, -1):
+        for name in os.listdir(fds[i]):
+            os.unlink(name, dir_fd=fds[i])
+        os.close(fds[i])
+        os.rmdir("d", dir_fd=fds[i - 1])
+    os.close(fds[0])
+
+
+def test_a_1500_deep_tree_is_walked_iteratively_and_cut_at_max_depth(tmp_path):
+    """security.md #12: the walk was recursive (os.walk): 25 s of CPU, then RecursionError."""
+    out, q = tmp_path / "out", tmp_path / "q"
+    out.mkdir()
+    try:
+        _deep_checks(out, q)
+    finally:
+        _remove_deep(out)
+        _remove_deep(q)
+
+
+def _deep_checks(out: Path, q: Path) -> None:
+    (out / "top.pt").write_bytes(b"broken")
+    _deep_tree(out, 1500)
+    rep = validate_outputs(out, None, q, use_torch=False, max_depth=64)
+    assert [Path(s).name for s, _, _ in rep.quarantined] == ["top.pt"]
+    deep, = rep.skipped
+    assert "max_depth=64" in deep.reason and deep.path.count("/d") == 65  # 64 walked
+    assert rep.duration_s < 10 and not rep.errors
+    # with the bound above the tree's depth, the walk reaches its bottom, iteratively
+    rep = validate_outputs(out, None, q, use_torch=False, max_depth=2000)
+    assert [Path(s).name for s, _, _ in rep.quarantined] == ["deep.pt"] and not rep.skipped
+
+
+def test_a_file_swapped_for_a_symlink_or_device_is_never_moved(tmp_path):
+    """security.md #4, without the race: what the walk did not see as a regular file is never
+    opened, copied or moved, and a name that changed since the walk is left alone."""
+    out, q = tmp_path / "out", tmp_path / "q"
+    (out / "sub").mkdir(parents=True)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "secret.pt").write_bytes(b"not the job's")
+    os.symlink(victim, out / "sub" / "link")
+    os.symlink("/dev/zero", out / "zero.pt")
+    os.symlink(victim / "secret.pt", out / "secret.pt")
+    rep = validate_outputs(out, None, q, use_torch=False,
+                           candidates=[out / "sub" / "link" / "secret.pt", out / "zero.pt"])
+    assert rep.quarantined == () and rep.checked == 0, rep
+    assert (victim / "secret.pt").read_bytes() == b"not the job's"
+    # a validation reason never quotes the file's bytes (nor a member's name)
+    (out / "evil.pt").write_bytes(b"PWNED-BYTES")  # pickle: "invalid load key, 'P'."
+    rep = validate_outputs(out, None, q, use_torch=False)
+    (_, _, reason), = rep.quarantined
+    assert "'P'" not in reason and reason.endswith("UnpicklingError"), reason
