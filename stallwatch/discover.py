@@ -25,17 +25,19 @@ are the job (their logs and outputs found the same way). Nothing at all: UsageEr
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
 import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stallwatch import procfs
+from stallwatch import procfs, torchrun
 from stallwatch.errors import UsageError
 from stallwatch.probes.gpu import GpuProbe, gpu_pids
 from stallwatch.roots import DEFAULT_ROOTS, Absent, Denied, Roots
@@ -48,7 +50,7 @@ SERVER_CMDLINE = re.compile(
     r"sglang[./]launch_server|sglang::(?:scheduler|detokenizer)|stallwatch[./]sglang[./]protocol_server")
 SGLANG_TITLE = re.compile(r"^sglang::(?:scheduler|detokenizer)")
 LOG_SUFFIXES = (".log", ".txt", ".out")
-OUTPUT_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors", ".npy", ".npz")
+OUTPUT_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors", ".npy", ".npz", ".ckpt.gz", ".pt.gz")
 RECENT_S = 600.0  # an output file modified this recently was written by the running job
 WALK_MAX_ENTRIES = 20_000
 WALK_MAX_DEPTH = 4
@@ -214,7 +216,7 @@ def discover(target: Target, gpu_probe: GpuProbe | None = None, *, roots: Roots 
 
 
 def find_pipeline(target: Target, gpu_probe: GpuProbe | None = None, *,
-                  roots: Roots = DEFAULT_ROOTS) -> Discovery:
+                  roots: Roots = DEFAULT_ROOTS, http_timeout_s: float = 1.0) -> Discovery:
     notes: list[str] = []
     probe = gpu_probe or GpuProbe()
     try:
@@ -248,12 +250,25 @@ def find_pipeline(target: Target, gpu_probe: GpuProbe | None = None, *,
         url = _url(addr, port)
         clients = _clients(host, root, port)
         found.append((root, port, url, clients))
+    # A port becomes a server only on positive evidence: an SGLang title or command line in its
+    # tree, or a JSON answer from /model_info (/get_model_info before 0.5.6). Holding GPU memory
+    # and a port is what every torchrun rank does too (gloo), and that is no server.
     sglang_servers = [f for f in found if any(not why[p].startswith("it holds GPU")
                                               for p in host.tree(f[0]) if p in why)]
-    gpu_servers = [f for f in found if f not in sglang_servers and f[3]]
+    gpu_servers = [f for f in found if f not in sglang_servers and f[3]
+                   and not _in_torchrun(host, f[0]) and _answers_model_info(f[2], http_timeout_s)]
+    for f in found:
+        if f not in sglang_servers and f not in gpu_servers:
+            notes.append(f"pid {f[0]} holds GPU memory and listens on port {f[1]}, but is not "
+                         "an SGLang server (no sglang:: title or command line, no JSON from "
+                         "/model_info or /get_model_info)")
     candidates = sglang_servers + gpu_servers
     candidates.sort(key=lambda f: (not f[3], f[0]))  # with clients first
 
+    if not sglang_servers:
+        job = _torchrun_job(host, gpu, target, notes)
+        if job is not None:
+            return job
     if candidates:
         root, port, url, clients = candidates[0]
         rp = host.procs[root]
@@ -312,6 +327,91 @@ def find_pipeline(target: Target, gpu_probe: GpuProbe | None = None, *,
                                                "log": target.log or log,
                                                "outputs": target.outputs or outputs}),
                      notes, None, None, tuple(pids))
+
+
+# ------------------------------------------------------------------------------- torchrun
+
+
+def _launchers(host: _Host) -> list[int]:
+    return [p.pid for p in host.procs.values() if p.pid not in host.self_pids
+            and not host.is_stallwatch(p.pid) and torchrun.is_launcher(p.comm, p.cmdline)]
+
+
+def _in_torchrun(host: _Host, pid: int) -> bool:
+    """pid is a torchrun agent or one of its descendants."""
+    seen = set()
+    while pid in host.procs and pid > 1 and pid not in seen:
+        seen.add(pid)
+        p = host.procs[pid]
+        if torchrun.is_launcher(p.comm, p.cmdline):
+            return True
+        pid = p.ppid
+    return False
+
+
+def _torchrun_job(host: _Host, gpu: dict, target: Target, notes: list[str]) -> Discovery | None:
+    """A torchrun agent and its workers are one job (SpecForge's prepare_hidden_states.py runs
+    SGLang inside each rank: the ranks hold the GPUs and gloo ports, and serve nobody). With GPU
+    processes, the agent above them; without, any agent on the host (the oldest first)."""
+    launchers = _launchers(host)
+    with_gpu = [L for L in launchers if any(p in gpu for p in host.tree(L))]
+    if gpu and not with_gpu:
+        return None
+    pick = sorted(with_gpu or launchers, key=lambda L: host.procs[L].start_ticks)
+    if not pick:
+        return None
+    L = pick[0]
+    lp = host.procs[L]
+    workers = [c for c in host.children.get(L, ()) if c in host.procs]
+    held = [p for p in host.tree(L) if p in gpu]
+    ranks = []
+    for w in sorted(workers):
+        info = torchrun.read_rank(host.roots, w) if _same_owner(host, L, w) else None
+        ranks.append(f"rank {info.rank} pid {w}" if info else f"pid {w}")
+    notes.append(f"torchrun job: agent pid {L} ({_short(lp.text)}) with {len(workers)} worker(s): "
+                 f"{', '.join(ranks) or 'none yet'}"
+                 + (f"; pid(s) {', '.join(map(str, held))} hold GPU memory (NVML)" if held else "")
+                 + "; one job (its ranks' ports are their own gloo mesh, not a server)")
+    for other in pick[1:]:
+        notes.append(f"also a torchrun job: agent pid {other}: not chosen; name it with --pid")
+    main = workers[0] if workers else L
+    log, outputs = _log_and_outputs(host, main, target, notes)
+    if log is None and target.log is None and main != L:
+        found, how = _find_log(host, L)
+        if found:
+            log = Path(found)
+            notes.append(f"log: {found} (the agent's: {how})")
+    name = _job_name(host.procs[main]) if main in host.procs else "torchrun"
+    return Discovery(target.model_copy(update={
+        "pids": (L,), "name": name, "log": target.log or log,
+        "outputs": target.outputs or outputs}), notes, None, None, (L,))
+
+
+def _same_owner(host: _Host, a: int, b: int) -> bool:
+    """Both processes have one real uid: b's environment is readable to a's user too."""
+    uids = []
+    for pid in (a, b):
+        try:
+            uids.append(procfs.parse_status(host.roots.read_text(host.roots.pid_dir(pid) / "status")).uid)
+        except (Absent, Denied, ValueError, KeyError):
+            return False
+    return uids[0] == uids[1]
+
+
+def _answers_model_info(url: str, timeout_s: float) -> bool:
+    """An SGLang server answers GET /model_info (0.5.6 on) or /get_model_info (0.5.0-0.5.5) with
+    a JSON object. Loopback only, bounded in time and size."""
+    if timeout_s <= 0 or not url.startswith(("http://127.", "http://[::1]")):
+        return False
+    for route in ("/model_info", "/get_model_info"):
+        try:
+            with urllib.request.urlopen(url + route, timeout=timeout_s) as resp:  # noqa: S310
+                body = resp.read(64 << 10)
+            if isinstance(json.loads(body), dict):
+                return True
+        except (OSError, ValueError):
+            continue
+    return False
 
 
 # ------------------------------------------------------------------------------- the server

@@ -166,6 +166,8 @@ def features(snap: Snapshot) -> dict[str, Any]:
         "probe_errors": [f"{r.name}: {r.status.value}: {r.error}" for r in snap.probes
                          if r.status.value not in ("ok", "absent") and r.error],
     }
+    v["log"].update(_bar_vars(snap, threshold))
+    v["job"].update(_job_ranks(procs, v["log"], f"{v['job']['comm']} (pid {v['job']['pid']})"))
     v["disk"].update(_io_place(snap, v["proc"]["d"]["file"]))
     v["activity"] = _activity(v)
     return v
@@ -248,9 +250,12 @@ def _proc(procs: list[ProcessObs], threads: list[tuple[ProcessObs, ThreadObs]]) 
         return _quiet(pt[1].ctx_unchanged_for_s, pt[1].last_ran_age_s)
 
     worst = max(d, key=stuck, default=None)
-    io_known = [p.io_unchanged_for_s for p in procs if p.io_unchanged_for_s is not None]
+    # torchrun's agent polls its workers every few seconds (its I/O counters and threads move
+    # while every rank is stuck): what it does is supervision, not the job's work.
+    workers = [p for p in procs if not p.launcher] or procs
+    io_known = [p.io_unchanged_for_s for p in workers if p.io_unchanged_for_s is not None]
     cpu = [p.cpu_util for p in procs if p.cpu_util is not None]
-    live = [p for p in procs if p.state not in ("Z", "X")]
+    live = [p for p in workers if p.state not in ("Z", "X")]
     tracked = min((p.tracked_for_s for p in live), default=0.0)
     # The tree is quiet when no thread of it has run: a lower bound from the scheduler works
     # in a one-shot diagnosis, where we have watched for a few seconds only.
@@ -365,6 +370,157 @@ def _log(snap: Snapshot) -> dict[str, Any]:
         "fatal_line": fatal[-1].line if fatal else "",
         "fatal_kind": fatal[-1].kind if fatal else "",
     }
+
+
+def _bar_vars(snap: Snapshot, threshold: float) -> dict[str, Any]:
+    """Bars of several ranks in one log (bars.py): which stopped while the others went on.
+
+    A bar is stalled when it has not moved for the stall threshold (or 3 x its own longest gap,
+    whichever is longer: with N ranks the log's cadence is N times the bar's) and another bar
+    moved after it or finished: the job as a whole may still progress, the rank does not."""
+    log = snap.log
+    bs = log.bars if log else None
+    rc = log.root_cause if log else None
+    out: dict[str, Any] = {
+        "bar_count": len(bs.bars) if bs else 0, "bars": [], "bars_text": "",
+        "bar_stalled": False, "bar_stalled_position": -1, "bar_stalled_s": -1.0,
+        "bar_stalled_limit_s": -1.0, "bar_stalled_text": "",
+        "failed_rank": rc.rank if rc else -1,
+        "failed_pid": rc.pid if rc and rc.pid is not None else -1,
+        "failed_exit_code": rc.exit_code if rc and rc.exit_code is not None else -1,
+    }
+    if not bs:
+        return out
+    out["complete"] = bs.complete
+    bars = [{"position": b.position, "done": b.done, "total": b.total if b.total else -1.0,
+             "samples": b.samples if b.samples is not None else -1, "idle_s": b.idle_s,
+             "complete": b.complete, "text": _bar_text(b)} for b in bs.bars]
+    out["bars"] = bars
+    out["bars_text"] = "; ".join(f"position {b['position']}: {b['text']}" for b in bars)
+    worst = None
+    for b in bs.bars:
+        if b.complete:
+            continue
+        limit = max(threshold, 3.0 * b.max_gap_s)
+        others = [o for o in bs.bars if o is not b]
+        went_on = any(o.complete or o.idle_s + 1.0 < b.idle_s for o in others)
+        if b.idle_s >= limit and went_on and (worst is None or b.idle_s > worst[0].idle_s):
+            worst = (b, limit)
+    if worst is not None:
+        b, limit = worst
+        fin = [o.position for o in bs.bars if o is not b and o.complete]
+        moving = [o.position for o in bs.bars if o is not b and not o.complete]
+        parts = []
+        if fin:
+            parts.append(f"position(s) {_ranges(fin)} finished")
+        if moving:
+            parts.append(f"position(s) {_ranges(moving)} moved since")
+        out.update(bar_stalled=True, bar_stalled_position=b.position, bar_stalled_s=b.idle_s,
+                   bar_stalled_limit_s=limit,
+                   bar_stalled_text=(f"the bar at position {b.position} stopped at {_bar_text(b)} "
+                                     f"{b.idle_s:.0f} s ago while {' and '.join(parts)}"))
+    return out
+
+
+def _bar_text(b) -> str:
+    total = f"/{b.total:g}" if b.total else ""
+    samples = f" ({b.samples} samples)" if b.samples is not None else ""
+    return f"{b.done:g}{total}{samples}" + (", complete" if b.complete else "")
+
+
+def _ranges(xs: list[int]) -> str:
+    xs = sorted(xs)
+    if len(xs) > 1 and xs == list(range(xs[0], xs[-1] + 1)):
+        return f"{xs[0]}–{xs[-1]}" if len(xs) > 2 else f"{xs[0]} and {xs[1]}"
+    return ", ".join(map(str, xs[:-1])) + f" and {xs[-1]}" if len(xs) > 1 else str(xs[0])
+
+
+def _job_ranks(procs: list[ProcessObs], logv: dict[str, Any], who: str) -> dict[str, Any]:
+    """A torchrun job: the agent and its ranks (torchrun.py), and the rank that holds the others
+    up. Each rank says what it does; the culprit is the one with the strongest sign of its own
+    trouble (stopped, in D, spinning, a file open half-written while asleep, its bar stopped);
+    the others wait in the collective, or at the barrier once their bar is done."""
+    ranked = sorted((p for p in procs if p.rank is not None), key=lambda p: p.rank.rank)
+    launcher = next((p for p in procs if p.launcher), None)
+    out: dict[str, Any] = {"torchrun": launcher is not None, "launcher_pid": launcher.pid if launcher else -1,
+                           "ranks": [], "ranks_text": "", "culprit": False, "culprit_pid": -1,
+                           "culprit_rank": -1, "culprit_text": "", "who": who}
+    if not ranked:
+        return out
+    world = ranked[0].rank.world_size or len(ranked)
+    bars = {b["position"]: b for b in logv.get("bars", [])}
+    tp = world // len(bars) if bars and world % len(bars) == 0 else 1
+    log_path = logv.get("path", "")
+    rows = []
+    for p in ranked:
+        r = p.rank.rank
+        bar = bars.get(r // tp) if r % tp == 0 else None
+        others = max(((o.cpu_util or 0.0) for o in ranked if o is not p), default=0.0)
+        score, what = _rank_trouble(p, log_path, others)
+        if score == 0 and logv.get("bar_stalled") and bar is not None \
+                and bar["position"] == logv["bar_stalled_position"]:
+            score, what = 2, f"its bar stopped at {bar['text']}"
+        if score == 0:
+            what = ("finished its bar and waits at the barrier" if bar is not None and bar["complete"]
+                    else "waits in the collective")
+        rows.append({"rank": r, "local_rank": p.rank.local_rank if p.rank.local_rank is not None else -1,
+                     "pid": p.pid, "state": p.state, "cpu_pct": round((p.cpu_util or 0.0) * 100.0),
+                     "score": score, "what": what})
+    out["ranks"] = rows
+    top = max(rows, key=lambda x: x["score"])
+    if top["score"] > 0:
+        rest = [x for x in rows if x is not top]
+        by_what: dict[str, list[int]] = {}
+        for x in rest:
+            by_what.setdefault(x["what"], []).append(x["rank"])
+        others = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranges(rs)} "
+                           f"{_plural(w) if len(rs) > 1 else w}" for w, rs in by_what.items())
+        out.update(culprit=True, culprit_pid=top["pid"], culprit_rank=top["rank"],
+                   who=f"rank {top['rank']} (pid {top['pid']}) of the torchrun job",
+                   culprit_text=f"rank {top['rank']} (pid {top['pid']}) {top['what']}"
+                                + (f"; {others}" if others else ""))
+    out["ranks_text"] = ", ".join(f"rank {x['rank']} pid {x['pid']} {x['state']}" for x in rows)
+    return out
+
+
+def _plural(what: str) -> str:
+    """'finished its bar and waits at the barrier' → 'finished their bars and wait at the barrier'."""
+    words = {"waits": "wait", "has": "have", "holds": "hold", "spins": "spin", "is": "are",
+             "its": "their", "bar": "bars"}
+    return " ".join(words.get(w, w) for w in what.split(" "))
+
+
+# A rank that burns CPU while its siblings sleep spins: relative, never an absolute share (on a
+# loaded host a busy loop gets a fraction of a core; gloo waits sleep at ~0 %). NCCL busy-waits
+# make every waiting rank hot: then nobody stands out, and nobody is called spinning.
+SPIN_MIN_CPU = 0.1
+SPIN_OVER_OTHERS = 5.0
+
+
+def _rank_trouble(p: ProcessObs, log_path: str, others_cpu: float) -> tuple[int, str]:
+    threads = p.threads
+    if p.state in ("T", "t"):
+        return 6, "is stopped (SIGSTOP or a debugger)"
+    if p.state == "Z":
+        return 5, "has exited and was not reaped"
+    d = [t for t in threads if t.state == "D"]
+    if d:
+        t = d[0]
+        on = f" on {t.syscall_file}" if t.syscall_file else ""
+        return 5, f"has {len(d)} thread(s) in D (wchan {t.wchan or '?'}, syscall {t.syscall or '?'}{on})"
+    cpu = p.cpu_util or 0.0
+    if cpu >= SPIN_MIN_CPU and cpu >= SPIN_OVER_OTHERS * others_cpu and any(t.state == "R" for t in threads):
+        return 4, f"spins at {round((p.cpu_util or 0.0) * 100)} % of a core"
+    writing = [f for f in p.open_files if f.write and f.fd > 2 and f.path.startswith("/")
+               and not f.path.startswith(("/dev/", "/proc/", "/sys/")) and f.path != log_path
+               and not f.path.endswith((".log", ".txt", ".out"))]
+    if writing and all(t.state == "S" for t in threads):
+        f = writing[0]
+        futex = sum(1 for t in threads if t.syscall == "futex")
+        lock = f" ({futex} in futex waits: a lock or a condition)" if futex else ""
+        return 3, (f"holds {f.path} open for writing, half-written ({f.pos_bytes} bytes), "
+                   f"and every thread sleeps{lock}")
+    return 0, ""
 
 
 def _long_rate(pr) -> float:

@@ -23,8 +23,10 @@ from enum import StrEnum
 from typing import Literal
 
 from stallwatch import safefs
+from stallwatch.bars import BarSet, MultiBars, cursor_ups
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.model import Frozen
+from stallwatch.torchrun import RootCause, RootCauseTracker
 from stallwatch.progress import (
     ProgressEvent, ProgressParser, Traceback, TracebackTracker, clean_line, fatal_kind, parse_tqdm,
 )
@@ -50,7 +52,10 @@ class FollowResult:
     mtime_s: float | None = None
     ident: tuple[int, int] | None = None  # (device, inode)
     lines: list[str] = field(default_factory=list)
+    # per line: (cursor-up escapes that ended it, ended by "\n"): a tqdm bar's position (bars.py)
+    meta: list[tuple[int, bool]] = field(default_factory=list)
     partial: str | None = None  # the unterminated last line: tqdm's newest bar sits there
+    partial_ups: int = 0
     first: bool = False  # this read learned history (the file's last initial_tail_bytes)
     read_bytes: int = 0
 
@@ -157,14 +162,16 @@ class LogFollower:
             self.offset += len(data)
             budget -= len(data)
             res.read_bytes += len(data)
-            self._feed(data, res.lines)
+            self._feed(data, res)
         self.bytes_read_total += res.read_bytes
         self.lines_total += len(res.lines)
         if res.read_bytes:
             n = min(_FINGERPRINT, self.offset)
             self._fingerprint = os.pread(fd, n, self.offset - n)
         if self._partial and self._dropping is None:
-            res.partial = clean_line(self._partial.decode("utf-8", "replace")) or None
+            raw = self._partial.decode("utf-8", "replace")
+            res.partial = clean_line(raw) or None
+            res.partial_ups = cursor_ups(raw)
         return res
 
     def _restart(self) -> None:
@@ -205,10 +212,10 @@ class LogFollower:
             self.offset = nxt
             self._partial.clear()
 
-    def _feed(self, data: bytes, out: list[str]) -> None:
+    def _feed(self, data: bytes, res: FollowResult) -> None:
         pos = 0
         for m in _SEP.finditer(data):
-            self._end_line(data[pos : m.start()], out)
+            self._end_line(data[pos : m.start()], res, m.group() == b"\n")
             pos = m.end()
         self._grow_partial(data[pos:])
 
@@ -221,7 +228,7 @@ class LogFollower:
             self._dropping = "overlong"  # keep the head, discard the rest until a separator
             self.overlong_lines += 1
 
-    def _end_line(self, piece: bytes, out: list[str]) -> None:
+    def _end_line(self, piece: bytes, res: FollowResult, newline: bool) -> None:
         if self._dropping == "cut":
             self._dropping = None
             return
@@ -229,10 +236,12 @@ class LogFollower:
             self._grow_partial(piece)
         self._dropping = None
         if self._partial:
-            line = clean_line(self._partial.decode("utf-8", "replace"))
+            raw = self._partial.decode("utf-8", "replace")
+            line = clean_line(raw)
             self._partial.clear()
             if line:
-                out.append(line)
+                res.lines.append(line)
+                res.meta.append((cursor_ups(raw) if "\x1b" in raw else 0, newline))
 
 
 # --- the probe -------------------------------------------------------------------------------
@@ -295,6 +304,8 @@ class LogObs(Frozen):
     traceback: Traceback | None = None  # the last one not followed by progress
     tracebacks_seen: int = 0
     fatal: tuple[FatalLine, ...] = ()  # fatal-looking lines since the last progress
+    bars: BarSet | None = None  # several bars of one description, one per rank (bars.py)
+    root_cause: RootCause | None = None  # torchrun's first failed rank, from its summary
 
 
 def _history_pace(marks: list[tuple[LineTime | None, float]]
@@ -373,6 +384,10 @@ class LogProbe:
         self._history_span: float | None = None
         self._history_lines = 0
         self._history_style: str | None = None
+        self._bars = MultiBars()  # one tqdm bar per rank (SpecForge's DP ranks)
+        self._root = RootCauseTracker()  # torchrun's "Root Cause (first observed failure)"
+        self._side: dict[str | None, float | int] = {}
+        self._side_moved = False  # another bar of the log moved: a change, though the sum did not
 
     def new_run(self) -> None:
         """The job was restarted: what was learned about the old run's rhythm is void (the
@@ -388,6 +403,8 @@ class LogProbe:
         self._history_lines = 0
         self._tb.reset()
         self._fatal.clear()
+        self._bars.reset()
+        self._root = RootCauseTracker()
         if self._last_change is not None:
             self._last_change, self._idle_source = self.clock.monotonic(), "observed"
 
@@ -412,12 +429,15 @@ class LogProbe:
         changes = 0
         self._tqdm_history.clear()
         self._marks.clear()
-        for line in r.lines:
+        at = self._mono_of(r.mtime_s, self.clock.monotonic()) if r.first else self.clock.monotonic()
+        for line, (ups, newline) in zip(r.lines, r.meta):
             peeked, self._peeked = line == self._peeked, None
             ev = None if peeked else self.parser.parse(line)
             if ev is not None:
-                changes += self._on_event(ev, r.first, line)
+                changes += self._on_event(self._per_rank(ev, ups, newline, at), r.first, line)
             elif not peeked:
+                self._bars.closing(line)
+                self._root.feed(line)
                 self._tb.feed(line)
                 kind = fatal_kind(line)
                 if kind:
@@ -430,13 +450,38 @@ class LogProbe:
             self._peeked = None
             ev = parse_tqdm(r.partial) if self.parser.regex is None else None
             if ev is not None:
-                changes += self._on_event(ev, r.first, r.partial)
+                changes += self._on_event(self._per_rank(ev, r.partial_ups, False, at), r.first,
+                                          r.partial)
                 self._peeked = r.partial
         return changes
 
+    def _per_rank(self, ev: ProgressEvent, ups: int, newline: bool, at: float) -> ProgressEvent:
+        """With bars at several positions (one per rank, bars.py), the job's progress is their
+        sum: one bar's count alone jumps backwards and calls the job done with the fastest rank.
+        Another bar of the same log (SpecForge's `Finalizing Writes`) still counts as a change."""
+        moved = self._bars.feed(ev, ups, newline, at)
+        if not self._bars.active:
+            return ev
+        done, total, rate = self._bars.aggregate()
+        last = self._last
+        if ev.desc != self._bars.desc and ev.source == "tqdm" and self._side.get(ev.desc) != ev.done:
+            self._side[ev.desc] = ev.done
+            self._side_moved = True
+        samples = [b.samples for b in self._bars.observe(at).bars]
+        postfix = {"samples": sum(samples)} if samples and None not in samples else {}
+        if last is not None and done == last.done and not moved:
+            return last
+        return ProgressEvent(done=int(done) if float(done).is_integer() else done,
+                             total=(int(total) if total is not None and float(total).is_integer()
+                                    else total),
+                             source="tqdm", desc=self._bars.desc, unit=ev.unit, postfix=postfix,
+                             rate_per_s=rate,
+                             elapsed_s=ev.elapsed_s if ev.desc == self._bars.desc else None)
+
     def _on_event(self, ev: ProgressEvent, history: bool, line: str) -> int:
         self._events += 1
-        changed = self._last is None or ev.done != self._last.done
+        changed = self._last is None or ev.done != self._last.done or self._side_moved
+        self._side_moved = False
         self._last = ev
         if history and ev.source == "tqdm":
             self._tqdm_history.append(ev)
@@ -615,5 +660,7 @@ class LogProbe:
             history_lines=self._history_lines, history_style=self._history_style,
             eta_s=eta, tail=tuple(tail),
             traceback=self._tb.current, tracebacks_seen=self._tb.seen, fatal=tuple(self._fatal),
+            bars=self._bars.observe(now) if self._bars.active else None,
+            root_cause=self._root.current,
         )
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Literal, Mapping, Protocol, Sequence, TypeVar
 
-from stallwatch import procfs
+from stallwatch import procfs, torchrun
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.model import Frozen
 from stallwatch.roots import DEFAULT_ROOTS, Absent, Denied, Roots
@@ -142,6 +142,9 @@ class ProcessObs(Frozen):
     exit_code: int | None = None  # a zombie's returncode (negative: signal), when readable
     threads: tuple[ThreadObs, ...] = ()
     threads_truncated: bool = False
+    # torchrun (stallwatch.torchrun): the agent, and a worker's rank from its environment
+    launcher: bool = False
+    rank: torchrun.RankInfo | None = None
 
 
 class ExitObs(Frozen):
@@ -285,6 +288,7 @@ class ProcessesProbe:
             (pid, start): _Member(role="target", comm=None) for pid, start in self._job.items()}
         self._tracks: dict[tuple[str, int, int], _Track] = {}
         self._cmdlines: dict[tuple[int, int, str], tuple[str, ...]] = {}
+        self._ranks: dict[tuple[int, int], torchrun.RankInfo | None] = {}
         self._exits: list[_Exit] = []
         self._noted: dict[tuple[int, int | None], int] = {}
         self._lock = threading.Lock()  # note_exit comes from the supervisor's thread
@@ -333,6 +337,7 @@ class ProcessesProbe:
             else:
                 # It died while we read it: keep it so the next tick reports the exit.
                 members[key] = self._members.get(key) or _Member(role=role, comm=st.comm)
+        observed = self._torchrun(observed)
         self._notice_exits(members, tick.now)
         self._members = members
         self._forget(stats, tick.now)
@@ -349,6 +354,25 @@ class ProcessesProbe:
             zombies=tuple(o.pid for o in observed if o.state == "Z"),
             denied=tuple(sorted(tick.denied)),
         )
+
+    def _torchrun(self, observed: list[ProcessObs]) -> list[ProcessObs]:
+        """Mark torchrun agents and read their workers' ranks: a worker's environment only when
+        it has the agent's uid (the job's user could read it too), once per identity."""
+        launchers = {o.pid: o.uid for o in observed if torchrun.is_launcher(o.comm, o.argv)}
+        if not launchers:
+            return observed
+        out = []
+        for o in observed:
+            if o.pid in launchers:
+                o = o.model_copy(update={"launcher": True})
+            elif o.ppid in launchers and o.uid is not None and o.uid == launchers[o.ppid]:
+                key = (o.pid, o.start_ticks)
+                if key not in self._ranks:
+                    self._ranks[key] = torchrun.read_rank(self.roots, o.pid)
+                if self._ranks[key] is not None:
+                    o = o.model_copy(update={"rank": self._ranks[key]})
+            out.append(o)
+        return out
 
     # --------------------------------------------------------------------- targets and the tree
 
@@ -752,6 +776,7 @@ class ProcessesProbe:
         self._job = {p: s for p, s in self._job.items() if p in self._explicit or (p, s) in live}
         self._tracks = {k: v for k, v in self._tracks.items() if v.seen_at == now}
         self._cmdlines = {k: v for k, v in self._cmdlines.items() if (k[0], k[1]) in live}
+        self._ranks = {k: v for k, v in self._ranks.items() if k in live}
         with self._lock:
             watched = {pid for pid, _ in self._members}
             self._noted = {k: v for k, v in self._noted.items() if k[0] in watched}

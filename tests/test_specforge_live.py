@@ -1,0 +1,242 @@
+"""SpecForge's shape live: tests/jobs/specforge_job.py under real torchrun (3 ranks, gloo, CPU),
+watched by the real recorder, judged by the default rules on replay (issue 14).
+
+For each fault: the right verdict within 30 s of the job's last progress, the culprit rank's pid
+in the verdict's summary or evidence, never a `server_*` verdict, never `finished` while the job
+is alive. The scenarios run together (each mostly waits for its stall to age); each records a
+trace of its own with `stallwatch record` and is evaluated with stallwatch.replay.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+pytest.importorskip("torch", reason="needs torch (pip install -e '.[test]' installs it)")
+pytest.importorskip("tqdm", reason="needs tqdm (a test dependency)")
+
+from stallwatch.features import features  # noqa: E402
+from stallwatch.replay import evaluate_trace  # noqa: E402
+from stallwatch.snapshot import Snapshot  # noqa: E402
+from stallwatch.trace import read_trace  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+JOB = Path(__file__).parent / "jobs" / "specforge_job.py"
+STALL_AGE_S = 36.0  # recorded this long after the fault: threshold 20 s + `for` 2 s + margin
+
+
+def wait_for(probe: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        v = probe()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                rest = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(rest[1]) == pid:
+                out.append(int(name))
+    return sorted(out)
+
+
+def torchrun(out: Path, log: Path, *args: str, nproc: int = 3) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), str(JOB),
+           "--output-path", str(out), "--num-samples", "120", "--batch-size", "4",
+           "--batch-s", "0.3", *args]
+    with open(log, "wb") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def kill_tree(job: subprocess.Popen, kids: list[int]) -> None:
+    for pid in [job.pid, *kids]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    job.wait(30)
+
+
+def run_scenario(tmp: Path, args: tuple[str, ...], fault: Callable[[Path, Path], None] | None = None,
+                 out: Path | None = None) -> dict[str, Any]:
+    """Start the job, record it until the stall has aged (or the job ended), evaluate."""
+    out, log, trace = out or tmp / "hs", tmp / "job.log", tmp / "trace.jsonl"
+    job = torchrun(out, log, *args)
+    kids: list[int] = []
+    rec = None
+    try:
+        kids = wait_for(lambda: (k := children(job.pid)) and len(k) >= 3 and k, 120, "3 workers")
+        rec = subprocess.Popen([sys.executable, "-m", "stallwatch", "record", "--pid", str(job.pid),
+                                "--log", str(log), "--outputs", str(out), "--out", str(trace),
+                                "--interval", "1", "--duration", "150"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if fault is not None:
+            fault(out, log)
+        else:
+            wait_for(lambda: list(out.glob(".specforge_job_fault_*")), 120, "the fault")
+        fired = time.monotonic()
+        wait_for(lambda: job.poll() is not None or time.monotonic() - fired >= STALL_AGE_S,
+                 STALL_AGE_S + 30, "the stall to age")
+        if job.poll() is not None:
+            time.sleep(4)  # a few snapshots of the ended job
+        rec.send_signal(signal.SIGINT)
+        rec.wait(30)
+    finally:
+        if rec is not None and rec.poll() is None:
+            rec.kill()
+        kill_tree(job, kids)
+    _, rows, _ = evaluate_trace(trace)
+    _, snaps, _ = read_trace(trace)
+    feats = [features(Snapshot.model_validate({k: v for k, v in s.items() if k != "type"}))
+             for s in snaps]
+    return {"rows": rows, "features": feats, "log": log.read_text(errors="replace")}
+
+
+def rank_pid(sc: dict[str, Any], rank: int) -> int:
+    for v in sc["features"]:
+        for r in v["job"]["ranks"]:
+            if r["rank"] == rank:
+                return r["pid"]
+    raise AssertionError(f"rank {rank} never seen")
+
+
+def last_progress_wall(sc: dict[str, Any]) -> float:
+    last, t = None, None
+    for row, v in zip(sc["rows"], sc["features"]):
+        if v["log"]["has_progress"] and v["log"]["done"] != last:
+            last, t = v["log"]["done"], row["t_wall"]
+    assert t is not None, "no progress recorded"
+    return t
+
+
+def first(sc: dict[str, Any], kind: str) -> dict[str, Any]:
+    hits = [r for r in sc["rows"] if r["kind"] == kind]
+    assert hits, f"never {kind}: {sorted({r['kind'] for r in sc['rows']})}"
+    return hits[0]
+
+
+def named(row: dict[str, Any], pid: int) -> bool:
+    text = row["summary"] + " " + " ".join(e["detail"] for e in row["evidence"])
+    return f"pid {pid}" in text
+
+
+def never_server_or_early_finish(sc: dict[str, Any]) -> None:
+    for row, v in zip(sc["rows"], sc["features"]):
+        assert not row["kind"].startswith("server_"), row["summary"]
+        if v["job"]["alive"]:
+            assert row["kind"] != "finished", row["summary"]
+
+
+def freeze_after_progress(fs) -> Callable[[Path, Path], None]:
+    def fault(out: Path, log: Path) -> None:
+        wait_for(lambda: "processed=8" in log.read_text(errors="replace"), 120, "progress")
+        fs.freeze()
+    return fault
+
+
+SCENARIOS = {
+    # DP ranks: rank 1's writer deadlocks half-way through a file; ranks 0 and 2 finish their
+    # bars and wait at the barrier
+    "deadlock": ("--fault", "deadlock", "--fault-rank", "1", "--fault-batch", "3"),
+    # one TP group of 3: rank 2 spins, ranks 0 and 1 wait in the per-batch broadcast
+    "spin_tp": ("--tp-size", "3", "--fault", "spin", "--fault-rank", "2", "--fault-batch", "3"),
+    "crash": ("--fault", "crash", "--fault-rank", "2", "--fault-batch", "3"),
+}
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    with ThreadPoolExecutor(len(SCENARIOS) + 1) as pool:
+        futs = {name: pool.submit(run_scenario, tmp_path_factory.mktemp(name), args)
+                for name, args in SCENARIOS.items()}
+        futs["io_stall"] = pool.submit(_io_stall, tmp_path_factory.mktemp("io_stall"))
+        for name, f in futs.items():
+            try:
+                results[name] = f.result()
+            except Exception as e:  # noqa: BLE001 - reported by the test of that scenario
+                results[name] = e
+    return results
+
+
+def _io_stall(tmp: Path) -> Any:
+    import rigs
+
+    if os.geteuid() != 0:
+        return pytest.skip.Exception("the writer-in-D scenario needs root (loop device, fsfreeze)")
+    try:
+        with rigs.loop_ext4(64) as fs:
+            try:
+                return run_scenario(tmp, ("--io-queue-size", "4", "--num-io-threads", "2"),
+                                    fault=freeze_after_progress(fs), out=fs.mnt / "hs")
+            finally:
+                fs.thaw()
+    except rigs.RigUnavailable as e:
+        return pytest.skip.Exception(str(e))
+
+
+def get(scenarios: dict[str, Any], name: str) -> dict[str, Any]:
+    sc = scenarios[name]
+    if isinstance(sc, pytest.skip.Exception):
+        pytest.skip(str(sc))
+    if isinstance(sc, BaseException):
+        raise sc
+    return sc
+
+
+def test_rank_deadlocked_mid_write_is_named_with_its_half_written_file(scenarios) -> None:
+    sc = get(scenarios, "deadlock")
+    never_server_or_early_finish(sc)
+    hang = first(sc, "hang")
+    assert hang["t_wall"] - last_progress_wall(sc) <= 30.0
+    pid = rank_pid(sc, 1)
+    assert named(hang, pid) and f"rank 1 (pid {pid})" in hang["summary"]
+    assert "half-written" in hang["summary"] and "wait at the barrier" in hang["summary"]
+
+
+def test_spinning_rank_in_a_tp_group_is_named(scenarios) -> None:
+    sc = get(scenarios, "spin_tp")
+    never_server_or_early_finish(sc)
+    hang = first(sc, "hang")
+    assert hang["t_wall"] - last_progress_wall(sc) <= 30.0
+    pid = rank_pid(sc, 2)
+    assert f"rank 2 (pid {pid}) spins at" in hang["summary"]
+    assert "wait in the collective" in hang["summary"]
+
+
+def test_crashed_rank_is_the_root_cause_of_the_crash(scenarios) -> None:
+    sc = get(scenarios, "crash")
+    never_server_or_early_finish(sc)
+    crash = first(sc, "crash")
+    assert crash["t_wall"] - last_progress_wall(sc) <= 30.0
+    assert named(crash, rank_pid(sc, 2))
+    assert any("root cause: rank 2" in e["detail"] for e in crash["evidence"])
+
+
+@pytest.mark.root
+def test_writer_in_d_on_a_frozen_filesystem_is_io_stall(scenarios) -> None:
+    sc = get(scenarios, "io_stall")
+    never_server_or_early_finish(sc)
+    row = first(sc, "io_stall")
+    assert row["t_wall"] - last_progress_wall(sc) <= 30.0
+    in_d = {r["pid"] for v in sc["features"] for r in v["job"]["ranks"] if "in D" in r["what"]}
+    assert in_d and any(named(row, pid) for pid in in_d)
