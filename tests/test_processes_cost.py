@@ -1,0 +1,278 @@
+"""The processes probe reads only what can have changed (issue 17), and sees no less for it.
+
+Idle threads are not re-read past their stat and schedstat; a thread that ran, went to D, was
+stopped or stopped running is read afresh on the very next collect; threads that end take their
+kept descriptors with them. Real processes, real kernel states, an injected clock.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from rigs import (FakeProc, frozen_ext4, root, spawned,  # noqa: F401 (root is a fixture)
+                  task_state, wait_until)
+
+from stallwatch.clock import FakeClock
+from stallwatch.probes import processes as processes_mod
+from stallwatch.probes.processes import ProcessesProbe, ThreadObs
+from stallwatch.roots import Roots
+from stallwatch.targets import Target
+
+# A process with 8 idle threads and one worker that waits on an event, then does argv[1]:
+# "pipe" (blocks in read on a pipe: S again, another syscall), "spin" (busy until a file
+# exists, then blocks on a pipe), or a path to open for writing (D on a frozen mount).
+JOB = r"""
+import os, sys, threading, time
+r, w = os.pipe()
+go = threading.Event()
+def worker():
+    go.wait()
+    if sys.argv[1] == "pipe":
+        os.read(r, 1)
+    elif sys.argv[1] == "spin":
+        while not os.path.exists(sys.argv[2]):
+            pass
+        os.read(r, 1)
+    else:
+        os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT)
+for _ in range(8):
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+t = threading.Thread(target=worker, daemon=True)
+t.start()
+print(t.native_id, flush=True)
+sys.stdin.readline()
+go.set()
+time.sleep(1000)
+"""
+
+
+class CountingRoots(Roots):
+    """Roots that records every path read through it (the kept descriptors are not)."""
+
+    reads: list[str] = []
+
+    def read_text(self, path, limit=1 << 20):
+        CountingRoots.reads.append(str(path))
+        return super().read_text(path, limit)
+
+    def read_small(self, path, limit=16384):
+        CountingRoots.reads.append(str(path))
+        return super().read_small(path, limit)
+
+
+def job(*args: str):
+    return spawned([sys.executable, "-c", JOB, *args], stdin=subprocess.PIPE,
+                   stdout=subprocess.PIPE)
+
+
+def worker_of(proc) -> int:
+    tid = int(proc.stdout.readline())
+    wait_until(lambda: all(task_state(proc.pid, int(t)) == "S"
+                           for t in os.listdir(f"/proc/{proc.pid}/task")),
+               what="every thread to sleep")
+    return tid
+
+
+def thread(probe: ProcessesProbe, pid: int, tid: int) -> ThreadObs:
+    (p,) = [p for p in probe.collect().processes if p.pid == pid]
+    (t,) = [t for t in p.threads if t.tid == tid]
+    return t
+
+
+def go(proc) -> None:
+    proc.stdin.write(b"go\n")
+    proc.stdin.flush()
+
+
+def open_proc_files() -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except FileNotFoundError:
+            pass  # the listing's own descriptor
+    return out
+
+
+def has_schedstat() -> bool:
+    return os.path.isfile(f"/proc/{os.getpid()}/task/{os.getpid()}/schedstat")
+
+
+def test_idle_threads_are_not_read_again_and_report_the_same():
+    if not has_schedstat():
+        pytest.skip("this kernel has no /proc/PID/task/TID/schedstat (CONFIG_SCHED_INFO)")
+    clock = FakeClock()
+    with job("pipe") as proc:
+        worker_of(proc)
+        probe = ProcessesProbe(Target(pids=(proc.pid,)), roots=CountingRoots(), clock=clock)
+        probe.collect()  # a full scan of /proc
+        clock.advance(1.0)
+        first = [p for p in probe.collect().processes if p.pid == proc.pid][0]  # a tree walk
+        CountingRoots.reads.clear()
+        clock.advance(5.0)
+        again = [p for p in probe.collect().processes if p.pid == proc.pid][0]
+    per_thread = [r for r in CountingRoots.reads if "/task/" in r]
+    # The main thread sleeps in readline, the 9 others on futexes: none ran, none is re-read
+    # (wait channel, syscall, stack, sched, status and children come from their last look).
+    assert per_thread == [], per_thread
+    assert len(again.threads) == len(first.threads) == 10
+    for a, b in zip(first.threads, again.threads):
+        assert (a.tid, a.state, a.wchan, a.syscall, a.stack) == (b.tid, b.state, b.wchan, b.syscall, b.stack)
+        assert b.state_since_s == a.state_since_s + 5.0 and b.ctx_unchanged_for_s >= 5.0
+        assert b.cpu_delta_s == 0.0
+    assert any(t.syscall == "futex" for t in again.threads)
+
+
+def test_a_thread_that_ran_is_read_afresh_on_the_next_collect():
+    """Asleep before and after, in another syscall: the same state letter, so only schedstat
+    tells that it ran. utime+stime would not: it ran for microseconds."""
+    clock = FakeClock()
+    with job("pipe") as proc:
+        tid = worker_of(proc)
+        probe = ProcessesProbe(Target(pids=(proc.pid,)), clock=clock)
+        before = thread(probe, proc.pid, tid)
+        clock.advance(1.0)
+        go(proc)
+        wait_until(lambda: open(f"/proc/{proc.pid}/task/{tid}/syscall").read().split()[0] == "0",
+                   what="the worker to block in read")
+        after = thread(probe, proc.pid, tid)
+    assert before.syscall == "futex" and before.state == after.state == "S"
+    assert after.syscall == "read" and after.syscall_fd is not None
+    assert after.ctx_unchanged_for_s == 0.0
+
+
+def test_a_thread_that_stops_running_is_seen_on_the_next_collect():
+    clock = FakeClock()
+    with job("spin", "/nonexistent-stallwatch-flag") as proc:
+        tid = worker_of(proc)
+        probe = ProcessesProbe(Target(pids=(proc.pid,)), clock=clock)
+        go(proc)
+        wait_until(lambda: task_state(proc.pid, tid) == "R", what="the worker to spin")
+        probe.collect()
+        clock.advance(1.0)
+        assert thread(probe, proc.pid, tid).state == "R"
+        os.kill(proc.pid, signal.SIGSTOP)
+        wait_until(lambda: all(task_state(proc.pid, int(t)) == "t" or task_state(proc.pid, int(t)) == "T"
+                               for t in os.listdir(f"/proc/{proc.pid}/task")), what="a stop")
+        clock.advance(1.0)
+        obs = [p for p in probe.collect().processes if p.pid == proc.pid][0]
+        os.kill(proc.pid, signal.SIGCONT)
+    # Stopped: every thread, the idle ones included, shows T at once, with its stop's stack.
+    assert {t.state for t in obs.threads} == {"T"}
+    assert all(t.state_since_s == 0.0 for t in obs.threads)
+    assert all(t.wchan != "futex_wait_queue" for t in obs.threads)
+
+
+@pytest.mark.root
+def test_a_thread_that_goes_to_d_is_seen_on_the_next_collect(root):
+    clock = FakeClock()
+    with frozen_ext4() as (mnt, _dev), job(str(mnt / "ckpt")) as proc:
+        tid = worker_of(proc)
+        probe = ProcessesProbe(Target(pids=(proc.pid,)), clock=clock)
+        probe.collect()
+        clock.advance(1.0)
+        idle = thread(probe, proc.pid, tid)
+        go(proc)
+        wait_until(lambda: task_state(proc.pid, tid) == "D", what="the worker to block in D")
+        clock.advance(1.0)
+        stuck = thread(probe, proc.pid, tid)
+        clock.advance(2.0)
+        still = thread(probe, proc.pid, tid)
+    assert idle.state == "S" and idle.syscall == "futex"
+    assert (stuck.state, stuck.syscall, stuck.wchan) == ("D", "openat", "percpu_rwsem_wait")
+    assert stuck.stack[:2] == ("percpu_rwsem_wait", "mnt_want_write")
+    assert stuck.d_state_for_s == 0.0 and still.d_state_for_s == 2.0
+    assert still.stack == stuck.stack  # reused: it did not run
+
+
+THREADS_COME_AND_GO = r"""
+import sys, threading
+stop = threading.Event()
+def spawn():
+    t = threading.Thread(target=stop.wait, daemon=True)
+    t.start()
+    return t
+t = spawn()
+print(t.native_id, flush=True)
+for line in sys.stdin:
+    stop.set(); t.join(); stop.clear()
+    t = spawn()
+    print(t.native_id, flush=True)
+"""
+
+
+def test_a_thread_replaced_under_an_unchanged_count_is_seen_and_its_files_closed():
+    """One thread ends and another begins between two collects: stat's thread count is the
+    same, yet the new thread is listed, and the old one's kept descriptors are closed."""
+    with spawned([sys.executable, "-c", THREADS_COME_AND_GO], stdin=subprocess.PIPE,
+                 stdout=subprocess.PIPE) as proc:
+        old = int(proc.stdout.readline())
+        probe = ProcessesProbe(Target(pids=(proc.pid,)))
+        assert old in [t.tid for t in probe.collect().processes[0].threads]
+        proc.stdin.write(b"next\n")
+        proc.stdin.flush()
+        new = int(proc.stdout.readline())
+        wait_until(lambda: not os.path.exists(f"/proc/{proc.pid}/task/{old}"), what="the old thread to go")
+        tids = [t.tid for t in probe.collect().processes[0].threads]
+        kept = open_proc_files()
+        assert [k for k in kept if f"/task/{new}/" in k]  # kept open while it lives
+    assert new in tids and old not in tids and len(tids) == 2
+    assert not [k for k in kept if f"/task/{old}/" in k], kept
+    probe.collect()  # the job is gone: so are its descriptors
+    assert not [k for k in open_proc_files() if f"/proc/{proc.pid}/" in k]
+
+
+def test_kept_files_stay_within_their_budget_and_fail_like_reads(tmp_path):
+    import threading
+
+    from stallwatch.probes.procfiles import ProcFiles
+    from stallwatch.roots import Absent
+
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait)
+    t.start()
+    me, tid = os.getpid(), t.native_id
+    files = ProcFiles(Roots(), max_open=1)
+    first = files.read(f"/proc/{me}/task/{tid}/stat")
+    assert files.read(f"/proc/{me}/task/{me}/stat").startswith(f"{me} (".encode())  # not kept
+    assert len(files) == 1 and first.startswith(f"{tid} (".encode())
+    stop.set()
+    t.join()
+    with pytest.raises(Absent):  # the thread ended: its kept descriptor says so, and is closed
+        files.read(f"/proc/{me}/task/{tid}/stat")
+    assert len(files) == 0
+    files.read(f"/proc/{me}/task/{me}/stat")
+    files.sweep()
+    assert len(files) == 1  # read since the last sweep
+    files.sweep()
+    assert len(files) == 0
+
+
+def test_without_schedstat_context_switches_say_whether_a_thread_ran(tmp_path):
+    """A fixture tree has no schedstat: status's context switches are the signal instead."""
+    fake, clock = FakeProc(tmp_path), FakeClock()
+    fake.add(100, state="S", ctx=(5, 1), wchan="futex_wait_queue", tids=(101,))
+    probe = ProcessesProbe(Target(pids=(100,)), roots=fake.roots, clock=clock, self_pid=1)
+    assert probe.collect().processes[0].wchan == "futex_wait_queue"
+    clock.advance(1.0)
+    fake.add(100, state="S", ctx=(6, 1), wchan="pipe_read", tids=(101,))  # it ran, sleeps elsewhere
+    p = probe.collect().processes[0]
+    assert p.wchan == "pipe_read" and p.ctx_unchanged_for_s == 0.0
+
+
+def test_evolve_is_model_copy():
+    t = ThreadObs(tid=1, comm="w", state="S", state_since_s=1.0, d_state_for_s=0.0,
+                  ctx_unchanged_for_s=1.0, voluntary_ctxt_switches=3, nonvoluntary_ctxt_switches=1,
+                  utime_s=0.5, stime_s=0.25, cpu_delta_s=None, wchan="futex_wait_queue",
+                  syscall="futex", syscall_nr=202, syscall_args=(1, 2, 3, 4, 5, 6),
+                  stack=("futex_wait_queue", "do_futex"), last_ran_age_s=2.0)
+    update = {"state_since_s": 3.0, "cpu_delta_s": 0.0, "last_ran_age_s": 4.0}
+    a, b = processes_mod._evolve(t, update), t.model_copy(update=update)
+    assert a == b and a.model_dump_json() == b.model_dump_json()
+    assert a.model_fields_set == b.model_fields_set and t.state_since_s == 1.0
+    with pytest.raises(Exception):
+        a.tid = 2  # still frozen
