@@ -164,3 +164,29 @@ def test_slurm_that_does_not_answer_never_stalls_the_daemon(tmp_path):
         d.request_stop()
         t.join(30)
     assert [i["kind"] for i in _row(tmp_path)[1]] == ["crash"]
+
+
+def test_node_script_passes_the_task_environment_on_but_not_stallwatch_settings(tmp_path):
+    """Supervised jobs get a built environment (PATH, locale, TMPDIR): the node script hands the
+    task's own environment to the job as `env`, with slurm_job_id, and keeps STALLWATCH_* out."""
+    import os
+    import subprocess
+
+    from stallwatch.config import load_config
+
+    script = Path(__file__).resolve().parent.parent / "deploy" / "slurm" / "stallwatch-node.sh"
+    env = dict(os.environ, SLURM_JOB_ID="4242", SLURM_NODEID="1", SLURM_JOB_NUM_NODES="2",
+               SLURM_STEP_ID="0", CUDA_VISIBLE_DEVICES="0,1,2,3", HF_HOME='/data/h"f\\home',
+               STALLWATCH_WORKDIR=str(tmp_path / "w"),
+               STALLWATCH_ALERT_WEBHOOK="https://hooks.example/secret", BAD="a\x1bb")
+    r = subprocess.run([str(script), "--print-config", "python", "x.py"], capture_output=True,
+                       text=True, env=env, cwd=tmp_path, timeout=30, check=False)
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "c.toml").write_text(r.stdout)
+    (job,) = load_config(tmp_path / "c.toml").job
+    assert job.slurm_job_id == "4242"
+    assert job.env["SLURM_JOB_ID"] == "4242" and job.env["SLURM_NODEID"] == "1"
+    assert job.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert job.env["HF_HOME"] == '/data/h"f\\home'
+    assert not [k for k in job.env if k.startswith("STALLWATCH_")]
+    assert "BAD" not in job.env and "BAD has control characters" in r.stderr
