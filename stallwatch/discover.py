@@ -1,10 +1,11 @@
 """Finding the job when the user names nothing: the pipeline, from /proc (and NVML) alone.
 
 Zero-config diagnosis starts from what an expert starts from. `nvidia-smi`: whoever holds GPU
-memory is the pipeline. Without a GPU (or besides it), SGLang's process titles: the schedulers
-and the detokenizer call themselves `sglang::scheduler*` / `sglang::detokenizer` whatever
-script started them, and their parent is the HTTP server; `sglang.launch_server` and
-stallwatch's own `stallwatch.sglang.protocol_server` say so on their command lines. Then:
+memory is the pipeline. Without a GPU (or besides it), SGLang's process titles: the schedulers,
+the detokenizer and the rest call themselves `sglang::scheduler*`, `sglang::detokenizer`,
+`sglang::data_parallel_controller` ... whatever script started them, and their parent is the
+HTTP server; `sglang.launch_server`, `sglang serve` and stallwatch's own
+`stallwatch.sglang.protocol_server` say so on their command lines. Then:
 
 - the **port** the server listens on: its LISTEN sockets in /proc/net/tcp{,6}, matched by inode
   with the fds of the server's process tree (as stallwatch.probes.listener does);
@@ -41,14 +42,13 @@ from stallwatch import procfs, torchrun
 from stallwatch.errors import UsageError
 from stallwatch.probes.gpu import GpuProbe, gpu_pids
 from stallwatch.roots import DEFAULT_ROOTS, Absent, Denied, Roots
+from stallwatch.sglang.titles import SERVER_CMDLINE, SGLANG_TITLE
 from stallwatch.targets import Target
 
 __all__ = ["discover", "find_pipeline", "Discovery", "SERVER_CMDLINE"]
 
-# Command lines (or process titles) that are an SGLang server, whatever started them.
-SERVER_CMDLINE = re.compile(
-    r"sglang[./]launch_server|sglang::(?:scheduler|detokenizer)|stallwatch[./]sglang[./]protocol_server")
-SGLANG_TITLE = re.compile(r"^sglang::(?:scheduler|detokenizer)")
+# Command lines (or process titles) that are an SGLang server, whatever started them: every
+# title SGLang sets, `sglang.launch_server` and `sglang serve` (stallwatch.sglang.titles).
 LOG_SUFFIXES = (".log", ".txt", ".out")
 OUTPUT_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors", ".npy", ".npz", ".ckpt.gz", ".pt.gz")
 RECENT_S = 600.0  # an output file modified this recently was written by the running job

@@ -16,6 +16,7 @@ import signal as _signal
 from typing import Any
 
 from stallwatch.probes.processes import ProcessObs, ThreadObs
+from stallwatch.sglang.titles import parse_title
 from stallwatch.snapshot import Snapshot
 
 # The job's own cadence is learned; these bound it. A job progressing every second is called
@@ -690,21 +691,20 @@ def _ranks(snap: Snapshot) -> dict[str, Any]:
             if isinstance(d.util_gpu_pct, (int, float))}
     ranks = []
     for p in (sp.processes if sp else ()):
-        if not p.cmdline.startswith("sglang::scheduler"):
+        title = parse_title(p.cmdline)
+        if title is None or title.role != "scheduler":
             continue
-        tail = p.cmdline.rsplit("_TP", 1)
-        rank = int(tail[1]) if len(tail) == 2 and tail[1].isdigit() else 0
         gpus = gpu_of.get(p.pid, [])
         quiet = _quiet(p.ctx_unchanged_for_s, p.last_ran_age_s)
         stuck = p.state in ("T", "t", "D", "Z") or quiet >= 10
-        ranks.append({"rank": rank, "pid": p.pid, "state": p.state, "cpu_util": p.cpu_util or 0.0,
+        ranks.append({"rank": title.tp, "label": title.label, "key": list(title.key), "pid": p.pid, "state": p.state, "cpu_util": p.cpu_util or 0.0,
                       "cpu_pct": round((p.cpu_util or 0.0) * 100.0), "quiet_s": quiet,
                       "quiet_h": human_s(quiet), "wchan": p.wchan or "", "stuck": stuck,
                       "gpu": gpus[0][0] if gpus else -1,
                       "gpu_util_pct": util.get(gpus[0][0], -1.0) if gpus else -1.0,
                       "mem_h": human_bytes(sum(b for _, b in gpus))})
     gone = [e for e in (sp.exited if sp else ()) if (e.cmdline or "").startswith("sglang::scheduler")]
-    ranks.sort(key=lambda r: r["rank"])
+    ranks.sort(key=lambda r: r["key"])  # by the whole rank tuple: DP groups repeat TP numbers
     stuck = [r for r in ranks if r["stuck"]]
     busy = [r for r in ranks if not r["stuck"] and (r["state"] == "R" or r["cpu_util"] > 0.5)]
     return {
@@ -713,7 +713,7 @@ def _ranks(snap: Snapshot) -> dict[str, Any]:
         # One rank stopped, in D or dead while others spin: the others wait on it in a collective.
         "rank_stuck": bool((stuck or gone) and busy),
         "ranks_all_idle": bool(ranks) and not busy and not stuck and not gone,
-        "ranks_text": ", ".join(f"TP{r['rank']} {r['state']}" + (" (stuck)" if r["stuck"] else "")
+        "ranks_text": ", ".join(f"{r['label']} {r['state']}" + (" (stuck)" if r["stuck"] else "")
                                 for r in ranks) + "".join(f", {e.cmdline or e.pid} gone" for e in gone),
     }
 
