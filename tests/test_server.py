@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterator
 
 import pytest
+from rigs import wait_until
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from stallwatch.clock import FakeClock
@@ -28,6 +29,8 @@ class FakeSGLang:
         self.metrics_body = b""
         self.metrics_content_length = True
         self.paths: list[str] = []
+        self.old_routes = False  # SGLang 0.5.0-0.5.5: only /get_server_info and /get_model_info
+        self.server_args = {"watchdog_timeout": 300, "soft_watchdog_timeout": None}
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -42,11 +45,15 @@ class FakeSGLang:
                     if fake.health_gate is not None:
                         fake.health_gate.wait(30)
                     return self.reply(fake.health_status, b"")
-                if self.path == "/server_info":
+                new = self.path in ("/server_info", "/model_info")
+                if new and fake.old_routes or self.path.startswith("/get_") and not fake.old_routes:
+                    return self.reply(404, b'{"detail":"Not Found"}')
+                if self.path in ("/server_info", "/get_server_info"):
                     if fake.info_gate is not None:
                         fake.info_gate.wait(30)
-                    return self.reply(200, json.dumps({"version": "0.5.23", "tp_size": 2}).encode())
-                if self.path == "/model_info":
+                    return self.reply(200, json.dumps({"version": "0.5.23", "tp_size": 2,
+                                                       **fake.server_args}).encode())
+                if self.path in ("/model_info", "/get_model_info"):
                     return self.reply(200, json.dumps({"model_path": "meta-llama/Llama-3.1-8B-Instruct",
                                                        "is_generation": True}).encode())
                 if self.path == "/metrics":
@@ -93,13 +100,15 @@ def server() -> Iterator[FakeSGLang]:
 def sglang_metrics(gen: tuple[float, float] = (100, 50), prompt: float = 1000, reqs: float = 10,
                    running: float = 2, queued: float = 0, fwd: float = 3.0, idle: float = 1.0,
                    usage: tuple[float, float] = (0.25, 0.5)) -> bytes:
-    """A /metrics body in the exposition format prometheus_client writes, with SGLang's names
-    and per-tp_rank label sets (as with --enable-metrics-for-all-schedulers)."""
+    """A /metrics body in the exposition format prometheus_client writes, with SGLang's names:
+    tokenizer-side counters once, scheduler-side families per tp_rank label set, each rank
+    exporting its DP group's same gauges (as with --enable-metrics-for-all-schedulers)."""
     reg = CollectorRegistry()
     labels = ["model_name", "engine_type", "tp_rank", "pp_rank"]
-    g = Counter("sglang:generation_tokens", "Generation tokens", labels, registry=reg)
-    p = Counter("sglang:prompt_tokens", "Prompt tokens", labels, registry=reg)
-    n = Counter("sglang:num_requests", "Requests", labels, registry=reg)
+    tok = ["model_name", "engine_type"]
+    g = Counter("sglang:generation_tokens", "Generation tokens", tok, registry=reg)
+    p = Counter("sglang:prompt_tokens", "Prompt tokens", tok, registry=reg)
+    n = Counter("sglang:num_requests", "Requests", tok, registry=reg)
     f = Counter("sglang:forward_execution_seconds", "Forward time", labels + ["category"], registry=reg)
     i = Counter("sglang:scheduler_idle_seconds", "Idle time", labels, registry=reg)
     r = Gauge("sglang:num_running_reqs", "Running", labels, registry=reg)
@@ -108,16 +117,16 @@ def sglang_metrics(gen: tuple[float, float] = (100, 50), prompt: float = 1000, r
     h = Histogram("sglang:e2e_request_latency_seconds", "E2E", labels, registry=reg, buckets=(1, 10))
     for rank in (0, 1):
         lv = ["m", "unified", str(rank), "0"]
-        g.labels(*lv).inc(gen[rank])
         if rank == 0:
-            p.labels(*lv).inc(prompt)
-            n.labels(*lv).inc(reqs)
-            f.labels(*lv, "prefill").inc(fwd / 3)
-            f.labels(*lv, "decode").inc(fwd * 2 / 3)
-            i.labels(*lv).inc(idle)
+            g.labels("m", "unified").inc(sum(gen))
+            p.labels("m", "unified").inc(prompt)
+            n.labels("m", "unified").inc(reqs)
             h.labels(*lv).observe(2.0)
-        r.labels(*lv).set(running / 2)
-        q.labels(*lv).set(queued / 2)
+        f.labels(*lv, "prefill").inc(fwd / 3)  # every rank runs the same forwards
+        f.labels(*lv, "decode").inc(fwd * 2 / 3)
+        i.labels(*lv).inc(idle)
+        r.labels(*lv).set(running)  # the same DP group's count, once per rank
+        q.labels(*lv).set(queued)
         u.labels(*lv).set(usage[rank])
     return generate_latest(reg)
 
@@ -133,7 +142,7 @@ def test_healthy_server(server: FakeSGLang) -> None:
     assert obs.server_info.ok and obs.version == "0.5.23"
     assert obs.model_info.ok and obs.model_path == "meta-llama/Llama-3.1-8B-Instruct"
     m = obs.metrics
-    assert m.ok and m.counters["sglang:generation_tokens_total"] == 150  # summed over tp ranks
+    assert m.ok and m.counters["sglang:generation_tokens_total"] == 150
     assert m.counters["sglang:forward_execution_seconds_total"] == pytest.approx(3.0)
     assert m.counters["sglang:e2e_request_latency_seconds_count"] == 1
     assert m.gauges["sglang:num_running_reqs"] == 2 and m.gauges["sglang:token_usage"] == 0.5
@@ -181,15 +190,25 @@ def test_slow_health_in_flight_beyond_budget_does_not_block_the_tick(server: Fak
     assert h.ok and h.latency_s == 30 and h.age_s == 0 and h.in_flight_for_s is None
 
 
-def test_server_info_hanging_is_a_timeout_signal(server: FakeSGLang) -> None:
+def test_server_info_hanging_stays_one_call_in_flight(server: FakeSGLang) -> None:
+    """Upstream serialises get_internal_state with no timeout: a call we abandoned would still
+    queue behind the slow batch and the next would pile up after it. So the one call stays in
+    flight, reported overdue past its budget, and no second call is made meanwhile."""
     server.info_gate = threading.Event()
-    probe = ServerProbe(server.url, health_timeout_s=5, info_timeout_s=0.3, collect_wait_s=3)
+    probe = ServerProbe(server.url, health_timeout_s=5, info_timeout_s=0.3, info_interval_s=0,
+                        collect_wait_s=3)
     t0 = time.monotonic()
     obs = probe.collect()
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 2.0  # waited for the call's budget, not collect_wait_s
+    wait_until(lambda: probe.collect().server_info.overdue, 10, "/server_info to be overdue")
+    for _ in range(5):
+        obs = probe.collect()
     info = obs.server_info
-    assert info.ok is False and info.timed_out and info.error == "GET /server_info did not answer within 0.3 s"
+    assert info.overdue and info.in_flight_for_s >= 0.3 and info.ok is None
+    assert server.paths.count("/server_info") == 1  # the old code had called it again each tick
     assert obs.model_info.ok and obs.reachable  # the HTTP process is alive; the schedulers are not
+    server.info_gate.set()
+    wait_until(lambda: probe.collect().server_info.ok, 10, "/server_info to answer")
 
 
 def free_port() -> int:
@@ -288,3 +307,83 @@ def test_a_call_stuck_from_an_earlier_tick_is_not_waited_for_again(server: FakeS
     assert time.monotonic() - t0 < 0.4
     assert obs.server_info.in_flight_for_s > 0 and obs.server_info.ok is None
     assert server.paths.count("/server_info") == 1
+
+
+def test_old_routes_on_0_5_4_fallback_once_and_remembered(server: FakeSGLang) -> None:
+    """SGLang 0.5.0-0.5.5 have only /get_server_info and /get_model_info (UPSTREAM §3): the old
+    code asked /server_info forever and never saw the schedulers' answer (or their silence)."""
+    server.old_routes = True
+    probe = ServerProbe(server.url, info_interval_s=0, model_info_interval_s=0, collect_wait_s=5)
+    for _ in range(3):
+        obs = probe.collect()
+    assert obs.server_info.ok and obs.server_info.path == "/get_server_info"
+    assert obs.model_info.ok and obs.model_path == "meta-llama/Llama-3.1-8B-Instruct"
+    assert obs.info_route == "/get_server_info" and obs.version == "0.5.23"
+    assert server.paths.count("/server_info") == 1 and server.paths.count("/model_info") == 1
+    assert server.paths.count("/get_server_info") == 3
+
+
+def test_current_routes_never_touch_the_deprecated_ones(server: FakeSGLang) -> None:
+    probe = ServerProbe(server.url, info_interval_s=0, collect_wait_s=5)
+    for _ in range(2):
+        obs = probe.collect()
+    assert obs.info_route == "/server_info" and obs.server_info.ok
+    assert not [p for p in server.paths if p.startswith("/get_")]  # each logs a deprecation warning
+
+
+def test_watchdog_timeout_from_server_args_outlives_a_hang(server: FakeSGLang) -> None:
+    server.server_args = {"watchdog_timeout": 120.0, "soft_watchdog_timeout": None}
+    probe = ServerProbe(server.url, info_timeout_s=0.3, info_interval_s=0, collect_wait_s=5)
+    obs = probe.collect()
+    assert obs.watchdog_timeout_s == 120.0 and obs.soft_watchdog_timeout_s is None
+    server.info_gate = threading.Event()  # the schedulers stop answering
+    wait_until(lambda: probe.collect().server_info.overdue, 10, "/server_info to be overdue")
+    assert probe.collect().watchdog_timeout_s == 120.0  # still known from the last answer
+    server.info_gate.set()
+
+
+def _ranked_gauges(dp: int, tp: int, running: list[int], queued: list[int]) -> bytes:
+    reg = CollectorRegistry()
+    labels = ["model_name", "engine_type", "tp_rank", "pp_rank", "dp_rank"]
+    r = Gauge("sglang:num_running_reqs", "Running", labels, registry=reg)
+    q = Gauge("sglang:num_queue_reqs", "Queued", labels, registry=reg)
+    u = Gauge("sglang:token_usage", "Token usage", labels, registry=reg)
+    for d in range(dp):
+        for t in range(tp):
+            lv = ["m", "unified", str(t), "0", str(d)]
+            r.labels(*lv).set(running[d])
+            q.labels(*lv).set(queued[d])
+            u.labels(*lv).set(0.1 * (t + 1))
+    return generate_latest(reg)
+
+
+def test_metrics_at_tp4_with_all_schedulers_report_true_counts() -> None:
+    """--enable-metrics-for-all-schedulers: each of the 4 TP ranks exports its group's gauges;
+    the old sum said 4x the running and queued requests."""
+    _, gauges, _ = parse_metrics(_ranked_gauges(1, 4, running=[7], queued=[3]).decode())
+    assert gauges["sglang:num_running_reqs"] == 7 and gauges["sglang:num_queue_reqs"] == 3
+    assert gauges["sglang:token_usage"] == pytest.approx(0.4)
+    # two DP groups of TP2: different requests, so the groups add up; the ranks do not
+    _, gauges, _ = parse_metrics(_ranked_gauges(2, 2, running=[5, 2], queued=[1, 0]).decode())
+    assert gauges["sglang:num_running_reqs"] == 7 and gauges["sglang:num_queue_reqs"] == 1
+
+
+def test_health_checks_moving_realtime_tokens_are_not_progress(server: FakeSGLang) -> None:
+    """realtime_tokens_total counts each health check's 1-token prefill (UPSTREAM §3): on an idle
+    server polled by stallwatch it moves, and the old code called that progress."""
+    clock = FakeClock()
+    probe = ServerProbe(server.url, clock=clock, collect_wait_s=5)
+    base = sglang_metrics(running=0)
+
+    def scrape(realtime: int) -> object:
+        server.metrics_body = base + (
+            "# TYPE sglang:realtime_tokens counter\n"
+            f'sglang:realtime_tokens_total{{mode="prefill_compute",tp_rank="0"}} {realtime}\n').encode()
+        return probe.collect().metrics
+
+    scrape(10)
+    for n in range(1, 4):
+        clock.advance(10.0)
+        m = scrape(10 + n)  # one health check per scrape, nothing else
+    assert m.rates_per_s["sglang:realtime_tokens_total"] == pytest.approx(0.1)
+    assert m.progress_unchanged_for_s == 30.0

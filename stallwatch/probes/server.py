@@ -5,9 +5,17 @@ generation and may take up to 20 s; /server_info round-trips to the schedulers, 
 they are stuck; /model_info proves only that the HTTP process lives; /metrics gauges keep their
 last values when a scheduler hangs, so progress is judged from counter rates.
 
+Versions (UPSTREAM.md §3): /server_info and /model_info exist from SGLang 0.5.6; 0.5.0-0.5.5 have
+only /get_server_info and /get_model_info. A 404 switches to the old name once, remembered per
+probe (per server); on >= 0.5.6 the new name answers first, so the deprecated route (a warning
+in the server's log per call) is never used there.
+
 Every request runs in a background thread, one per endpoint at a time, and collect() waits at
 most `collect_wait_s` for the quick ones: a wedged server never stalls the watchdog's tick. A call
-still running past its budget is reported (`overdue`), which is itself evidence.
+still running past its budget is reported (`overdue`), which is itself evidence. /server_info is
+never abandoned at its budget: upstream serialises `get_internal_state` calls with no timeout, so
+a call we gave up on would still queue behind a slow batch and the next would pile up after it;
+the one call stays in flight (overdue) until the server answers or `info_abandon_s` passes.
 """
 
 from __future__ import annotations
@@ -28,16 +36,27 @@ from prometheus_client.parser import text_string_to_metric_families
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.model import Frozen
 
-# Counters whose movement means the server did work (not idle time).
+# Counters whose movement means the server did work for its clients. Only the tokenizer-side
+# three exist on every 0.5.x version and leave health checks out (/health_generate sends
+# log_metrics=False). Not these: `realtime_tokens_total` (from 2025-12) counts each health check's
+# 1-token prefill, so stallwatch's own polling would look like progress on an idle server;
+# `forward_execution_seconds_total` exists only with SGLANG_ENABLE_METRICS_DEVICE_TIMER=1.
 PROGRESS_COUNTERS = (
     "sglang:generation_tokens_total", "sglang:prompt_tokens_total", "sglang:num_requests_total",
-    "sglang:forward_execution_seconds_total", "sglang:realtime_tokens_total",
 )
 # Gauges that claim work is under way; with frozen progress counters they are likely stale.
 WORK_GAUGES = ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:gen_throughput")
-# Ratios: summing them across tp ranks would be meaningless, so the largest is kept.
+# Ratios: summing them across ranks or data-parallel groups would be meaningless.
 _MAX_GAUGES = frozenset({"sglang:token_usage", "sglang:cache_hit_rate"})
+# With --enable-metrics-for-all-schedulers every rank of a DP group exports the same gauges (and
+# scheduler counters) under its own rank labels: one group's value is the max over these, never
+# the sum (that multiplies by TP). Different dp_rank values are different requests: summed.
+_SAME_WORK_LABELS = frozenset({"tp_rank", "pp_rank", "moe_ep_rank", "attn_cp_rank", "moe_dp_rank",
+                               "attn_tp_rank", "pid"})
 _MAX_METRIC_NAMES = 512  # bound what one scrape adds to a trace line
+INFO_ABANDON_S = 600.0  # a /server_info call older than this is given up (see the docstring)
+# The routes of 0.5.0-0.5.5, tried once a 404 says the current name does not exist.
+OLD_ROUTES = {"/server_info": "/get_server_info", "/model_info": "/get_model_info"}
 
 
 class EndpointResult(Frozen):
@@ -81,6 +100,13 @@ class ServerObs(Frozen):
     metrics: MetricsObs | None = None
     version: str | None = None  # from /server_info
     model_path: str | None = None  # from /model_info
+    # "/server_info" (SGLang >= 0.5.6) or "/get_server_info" (0.5.0-0.5.5): the route that answers
+    info_route: str | None = None
+    # From the server args in the last /server_info answer (kept while later calls hang): the hard
+    # watchdog kills the server this long after its last forward while a batch runs (None: off).
+    watchdog_timeout_s: float | None = None
+    soft_watchdog_timeout_s: float | None = None
+    server_args_known: bool = False
 
 
 @dataclass
@@ -192,13 +218,17 @@ class ServerProbe:
         self.collect_wait_s = collect_wait_s
         self.max_response_bytes = max_response_bytes
         self._health_path = "/health_generate"
+        # The route that answers, per endpoint: the current name until a 404 says otherwise.
+        self._routes = {"/server_info": "/server_info", "/model_info": "/model_info"}
+        self._server_args: dict = {}
         self._metrics = _MetricsState(clock)
         poll = _Poller
         self._health_poller = poll("/health_generate", lambda: self._check_health(health_timeout_s),
                                    health_interval_s, health_timeout_s, clock)
-        self._server_info_poller = poll("/server_info", lambda: self._get("/server_info", info_timeout_s),
-                                        info_interval_s, info_timeout_s, clock)
-        self._model_info_poller = poll("/model_info", lambda: self._get("/model_info", info_timeout_s),
+        self._server_info_poller = poll(
+            "/server_info", lambda: self._get_route("/server_info", max(info_timeout_s, INFO_ABANDON_S)),
+            info_interval_s, info_timeout_s, clock, on_done=self._remember_args)
+        self._model_info_poller = poll("/model_info", lambda: self._get_route("/model_info", info_timeout_s),
                                        model_info_interval_s, info_timeout_s, clock)
         self._metrics_poller = poll("/metrics", lambda: self._get("/metrics", metrics_timeout_s),
                                     metrics_interval_s, metrics_timeout_s, clock,
@@ -211,8 +241,8 @@ class ServerProbe:
         # evidence, and waiting on it again would slow every tick of a wedged server.
         started = [p for p in self._quick if p.maybe_start()]
         deadline = time.monotonic() + self.collect_wait_s
-        for p in started:
-            p.wait(max(0.0, deadline - time.monotonic()))
+        for p in started:  # never past a call's budget: by then its lateness is the evidence
+            p.wait(max(0.0, min(deadline - time.monotonic(), p.budget_s)))
         return self._observation()
 
     def wait_health(self, timeout_s: float) -> bool:
@@ -232,10 +262,39 @@ class ServerProbe:
             metrics=self._metrics.observation(),
             version=_json_field(self._server_info_poller.last, "version"),
             model_path=_json_field(self._model_info_poller.last, "model_path"),
+            info_route=self._routes["/server_info"] if self._server_info_poller.last else None,
+            server_args_known=bool(self._server_args),
+            watchdog_timeout_s=_seconds(self._server_args.get("watchdog_timeout")),
+            soft_watchdog_timeout_s=_seconds(self._server_args.get("soft_watchdog_timeout")),
             **{k: p.result() for k, p in pollers.items()},
         )
 
+    def _remember_args(self, answer: _Answer, now: float) -> None:
+        """Keep the server args of the last good /server_info: when the schedulers hang, the
+        next calls hang too, and the watchdog's timeout is what says when SGLang will act."""
+        if answer.body is None or answer.status_code != 200:
+            return
+        try:
+            doc = json.loads(answer.body)
+        except ValueError:
+            return
+        if isinstance(doc, dict):
+            self._server_args = {k: doc.get(k) for k in ("watchdog_timeout", "soft_watchdog_timeout")
+                                 if k in doc} or {"_seen": True}
+
     # -- HTTP ----------------------------------------------------------------------------------
+
+    def _get_route(self, path: str, timeout_s: float) -> _Answer:
+        """GET the endpoint by the name that answers; on a 404 of the current name (SGLang
+        0.5.0-0.5.5) switch to the old one, once, and keep it for this server."""
+        route = self._routes[path]
+        answer = self._get(route, timeout_s)
+        if answer.status_code == 404 and route == path:
+            self._routes[path] = OLD_ROUTES[path]
+            answer = self._get(OLD_ROUTES[path], timeout_s)
+            if answer.status_code == 404:
+                self._routes[path] = path  # neither exists: not an SGLang server; try again later
+        return answer
 
     def _check_health(self, timeout_s: float) -> _Answer:
         # Older builds have no /health_generate: fall back to /health once and remember it.
@@ -296,6 +355,12 @@ def _read_capped(resp: http.client.HTTPResponse, cap: int, deadline: float) -> b
         if size > cap:
             return None
         chunks.append(chunk)
+
+
+def _seconds(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value) if value > 0 else None
 
 
 def _json_field(done: _Done | None, key: str) -> str | None:
@@ -382,14 +447,18 @@ class _MetricsState:
 
 
 def parse_metrics(text: str) -> tuple[dict[str, float], dict[str, float], int]:
-    """Prometheus text -> (counters, gauges, family count), each summed over label sets.
+    """Prometheus text -> (counters, gauges, family count), one number per name.
 
-    Counter samples keep their exposition names (`..._total`), histogram and summary `_count`
-    and `_sum` count as counters (their rates are request and latency rates); `_created`
-    timestamps are dropped. Non-finite values are dropped (JSON has no NaN).
+    Samples that differ only in rank labels (`tp_rank`, `pp_rank`, ...: _SAME_WORK_LABELS) are
+    copies of one DP group's value, one per rank, with --enable-metrics-for-all-schedulers: the
+    max of them counts once. What remains (`dp_rank`, `category`, `mode` ...) is summed, except
+    the ratios (_MAX_GAUGES), of which the largest is kept. Counter samples keep their exposition
+    names (`..._total`), histogram and summary `_count` and `_sum` count as counters (their rates
+    are request and latency rates); `_created` timestamps are dropped. Non-finite values are
+    dropped (JSON has no NaN).
     """
-    counters: dict[str, float] = defaultdict(float)
-    gauges: dict[str, float] = {}
+    counter_groups: dict[str, dict[tuple, float]] = defaultdict(dict)
+    gauge_groups: dict[str, dict[tuple, float]] = defaultdict(dict)
     families = 0
     for fam in text_string_to_metric_families(text):
         families += 1
@@ -399,14 +468,19 @@ def parse_metrics(text: str) -> tuple[dict[str, float], dict[str, float], int]:
                 continue
             if fam.type == "counter" or (fam.type in ("histogram", "summary", "gaugehistogram")
                                           and s.name.endswith(("_count", "_sum"))):
-                if len(counters) < _MAX_METRIC_NAMES or s.name in counters:
-                    counters[s.name] += s.value
+                groups = counter_groups
             elif fam.type == "gauge" or (fam.type == "unknown" and not s.name.endswith("_total")):
-                if len(gauges) < _MAX_METRIC_NAMES or s.name in gauges:
-                    old = gauges.get(s.name)
-                    gauges[s.name] = (s.value if old is None else
-                                      max(old, s.value) if s.name in _MAX_GAUGES else old + s.value)
+                groups = gauge_groups
             elif fam.type == "unknown":
-                if len(counters) < _MAX_METRIC_NAMES or s.name in counters:
-                    counters[s.name] += s.value
-    return dict(counters), gauges, families
+                groups = counter_groups
+            else:
+                continue
+            if s.name not in groups and len(groups) >= _MAX_METRIC_NAMES:
+                continue
+            group = tuple(sorted((k, v) for k, v in s.labels.items() if k not in _SAME_WORK_LABELS))
+            by_group = groups[s.name]
+            by_group[group] = max(by_group.get(group, s.value), s.value)
+    counters = {name: float(sum(g.values())) for name, g in counter_groups.items()}
+    gauges = {name: float(max(g.values()) if name in _MAX_GAUGES else sum(g.values()))
+              for name, g in gauge_groups.items()}
+    return counters, gauges, families
