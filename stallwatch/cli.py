@@ -24,10 +24,12 @@ LogOpt = Annotated[Optional[Path], typer.Option("--log", help="The job's progres
 RegexOpt = Annotated[Optional[str], typer.Option("--progress-regex", help="Regex with named groups done and total.")]
 OutputsOpt = Annotated[Optional[Path], typer.Option("--outputs", help="The job's outputs directory.")]
 ServerOpt = Annotated[Optional[str], typer.Option("--server", help="Base URL of the SGLang server.")]
+ServerLogOpt = Annotated[Optional[Path], typer.Option(
+    "--server-log", help="The SGLang server's own log (default: its stdout/stderr when a file).")]
 
 
 def make_target(pid: list[int], match: str | None, log: Path | None, progress_regex: str | None,
-                outputs: Path | None, server: str | None, name: str = "job"):
+                outputs: Path | None, server: str | None, name: str = "job", server_log: Path | None = None):
     from stallwatch.progress import compile_progress_regex
     from stallwatch.targets import Target
 
@@ -47,12 +49,15 @@ def make_target(pid: list[int], match: str | None, log: Path | None, progress_re
         raise UsageError(f"--log {log}: is a directory, not a log file")
     if server is not None and not re.match(r"^https?://[^/\s]+", server):
         raise UsageError(f"--server {server}: expected a URL like http://127.0.0.1:30000")
+    if server_log is not None and server_log.exists() and server_log.is_dir():
+        raise UsageError(f"--server-log {server_log}: is a directory, not a log file")
     if any(p <= 0 for p in pid):
         raise UsageError(f"--pid: process ids are positive integers, got {min(pid)}")
     # Absolute paths: the disks probe maps them to mounts, and a trace must mean the same later.
     return Target(name=name, pids=tuple(pid), match=match, log=log and log.absolute(),
                   progress_regex=progress_regex, outputs=outputs and outputs.absolute(),
-                  server=server.rstrip("/") if server else None)
+                  server=server.rstrip("/") if server else None,
+                  server_log=server_log and server_log.absolute())
 
 
 def target_from_config(path: Path, name: str | None):
@@ -82,19 +87,19 @@ def target_from_config(path: Path, name: str | None):
                              "(is `stallwatch run` supervising it?)")
         pids = (int(row["pid"]),)
     return Target(name=j.name, pids=pids, match=j.match, log=j.log, progress_regex=j.progress_regex,
-                  outputs=j.outputs, server=j.server)
+                  outputs=j.outputs, server=j.server, server_log=j.server_log)
 
 
 @app.command()
 def snapshot(
     pid: PidOpt = [], match: MatchOpt = None, log: LogOpt = None, progress_regex: RegexOpt = None,
-    outputs: OutputsOpt = None, server: ServerOpt = None,
+    outputs: OutputsOpt = None, server: ServerOpt = None, server_log: ServerLogOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON (the only format for now).")] = True,
 ) -> None:
     """One raw observation from every probe, no verdict."""
     from stallwatch.collector import Collector
 
-    target = make_target(pid, match, log, progress_regex, outputs, server)
+    target = make_target(pid, match, log, progress_regex, outputs, server, server_log=server_log)
     c = Collector(target, kernel_history=True)
     try:
         snap = c.tick()
@@ -107,7 +112,7 @@ def snapshot(
 def record(
     out: Annotated[Path, typer.Option("--out", help="Trace file to write (JSON Lines).")],
     pid: PidOpt = [], match: MatchOpt = None, log: LogOpt = None, progress_regex: RegexOpt = None,
-    outputs: OutputsOpt = None, server: ServerOpt = None,
+    outputs: OutputsOpt = None, server: ServerOpt = None, server_log: ServerLogOpt = None,
     duration: Annotated[Optional[float], typer.Option("--duration", help="Seconds to record; default until interrupted.")] = None,
     interval: Annotated[float, typer.Option("--interval", help="Seconds between snapshots.")] = 1.0,
     note: Annotated[Optional[str], typer.Option("--note", help="Free text stored in the trace header.")] = None,
@@ -123,11 +128,11 @@ def record(
     if duration is not None and duration < 0:
         raise UsageError("--duration must not be negative")
     if config is not None:
-        if pid or match or log or outputs or server:
+        if pid or match or log or outputs or server or server_log:
             raise UsageError("--config names the job: give either --config or target flags, not both")
         target = target_from_config(config, job)
     else:
-        target = make_target(pid, match, log, progress_regex, outputs, server)
+        target = make_target(pid, match, log, progress_regex, outputs, server, server_log=server_log)
     c = Collector(target)
     n = 0
     with TraceWriter(out, {"note": note, "interval_s": interval}) as w:
@@ -155,6 +160,7 @@ RulesOpt = Annotated[list[Path], typer.Option("--rules", help="Rule file or dire
 def diagnose(
     pid: PidOpt = [], match: MatchOpt = None, log: LogOpt = None, progress_regex: RegexOpt = None,
     outputs: OutputsOpt = None, server: ServerOpt = None, window: WindowOpt = 3.0,
+    server_log: ServerLogOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the diagnosis as JSON.")] = False,
     rules: RulesOpt = [],
 ) -> int:
@@ -169,7 +175,7 @@ def diagnose(
     if window < 0:
         raise UsageError("--window must not be negative")
     ruleset = dg.load(rules)
-    target = make_target(pid, match, log, progress_regex, outputs, server)
+    target = make_target(pid, match, log, progress_regex, outputs, server, server_log=server_log)
     if not (target.pids or target.match):
         target = discover(target)
     if target.server:  # given, or discovered

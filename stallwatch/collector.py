@@ -21,6 +21,7 @@ from stallwatch.probes.logs import LogProbe
 from stallwatch.probes.outputs import OutputsProbe
 from stallwatch.probes.processes import ProcessesObs, ProcessesProbe
 from stallwatch.probes.server import ServerProbe
+from stallwatch.probes.server_log import ServerLogProbe, stdio_log
 from stallwatch.roots import DEFAULT_ROOTS, Roots
 from stallwatch.snapshot import Snapshot
 from stallwatch.targets import Target
@@ -60,6 +61,9 @@ class Collector:
         self.server = ServerProbe(target.server, clock=clock) if target.server else None
         port = _local_port(target.server)
         self.server_processes = ServerProcessesProbe(port, roots, clock) if port else None
+        # The server's own log: configured, or found next tick from its stdout/stderr.
+        self.server_log = (ServerLogProbe(target.server_log, clock, reader=reader)
+                           if target.server or target.server_log else None)
         self.kernel = KernelLogProbe(roots=roots, clock=clock, history=kernel_history)
         self._static_paths = [str(p) for p in (target.log and Path(target.log).parent,
                                                target.outputs) if p]
@@ -76,13 +80,14 @@ class Collector:
         t0 = self.clock.monotonic()
         first = [(p.name, p.collect, self.deadline_s) for p in
                  (self.processes, self.gpu, self.log, self.outputs, self.server, self.kernel,
-                  self.server_processes) if p]
+                  self.server_processes, self.server_log) if p]
         results = dict(zip([c[0] for c in first], self.runner.call_many(first)))
         procs: ProcessesObs | None = results["processes"][0]
         # The filesystems that matter are those the job works in and writes to, known only now.
         self.disks.paths = _disk_paths(self._static_paths, procs)
         results["disks"] = self.runner.call("disks", self.disks.collect,
                                             self.disks.statvfs_deadline_s + 1.0)
+        self._find_server_log(results.get("server_processes", (None,))[0])
 
         reports: list[ProbeReport] = []
         values = {}
@@ -102,7 +107,21 @@ class Collector:
             processes=procs, gpu=values.get("gpu"), log=values.get("log"),
             outputs=values.get("outputs"), disks=values.get("disks"), server=values.get("server"),
             kernel=values.get("kmsg"), server_processes=values.get("server_processes"),
+            server_log=values.get("server_log"),
         )
+
+    def _find_server_log(self, sp: ProcessesObs | None) -> None:
+        """No server_log configured: the listening process's stdout/stderr, when a file."""
+        if self.server_log is None or self.server_log.path is not None or sp is None:
+            return
+        root = next((p for p in sp.processes if p.pid == self.server_processes.pid), None) \
+            if self.server_processes is not None else None
+        if root is None:
+            return
+        found = stdio_log(root.open_files, root.pid)
+        if found is not None and root.uid is not None:
+            # its groups are not observed: a file shared by group only is left unread (safe side)
+            self.server_log.discover(found[0], found[1], root.uid)
 
     def close(self) -> None:
         for p in (self.gpu, self.outputs, self.kernel, self.server):

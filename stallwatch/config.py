@@ -136,6 +136,7 @@ class JobConfig(_Strict):
     progress_regex: str | None = None
     outputs: Path | None = None
     server: str | None = None
+    server_log: Path | None = None  # the SGLang server's own log; default: its stdout/stderr file
     restart: Literal["no", "on-failure"] = "no"
     max_restarts: int = Field(default=3, ge=0)
     kill_grace_s: float = 10.0  # SIGTERM, then SIGKILL after this
@@ -306,7 +307,7 @@ class _Located(ValueError):
 # ---------------------------------------------------------------------------------- loading
 
 _PATH_KEYS_DAEMON = ("state_dir", "metrics_textfile")
-_PATH_KEYS_JOB = ("pid_file", "cwd", "log", "outputs", "quarantine")
+_PATH_KEYS_JOB = ("pid_file", "cwd", "log", "outputs", "quarantine", "server_log")
 
 
 def load_config(path: str | os.PathLike[str], *, check_permissions: bool = True) -> Config:

@@ -16,6 +16,7 @@ import signal as _signal
 from typing import Any
 
 from stallwatch.probes.processes import ProcessObs, ThreadObs
+from stallwatch.serverfate import server_busy, server_fate
 from stallwatch.sglang.titles import parse_title
 from stallwatch.snapshot import Snapshot
 
@@ -169,6 +170,8 @@ def features(snap: Snapshot) -> dict[str, Any]:
     }
     v["log"].update(_bar_vars(snap, threshold))
     v["job"].update(_job_ranks(procs, v["log"], f"{v['job']['comm']} (pid {v['job']['pid']})"))
+    v["server"].update(server_fate(snap, v["server"], v["client"]))
+    v["server"]["busy"] = server_busy(v["server"], v["client"])
     v["disk"].update(_io_place(snap, v["proc"]["d"]["file"]))
     v["activity"] = _activity(v)
     return v
@@ -898,6 +901,8 @@ def _activity(v: dict[str, Any]) -> dict[str, Any]:
         ages.append((pr["io_unchanged_s"], "I/O counters"))
     if v["outputs"]["present"] and v["outputs"]["change_age_s"] >= 0:
         ages.append((v["outputs"]["change_age_s"], "outputs"))
+    if v["server"]["busy"]:  # the job waits on a server whose every rank is computing
+        ages.append((0.0, "the server's schedulers (every rank running a batch)"))
     # CPU alone is not counted as work: a busy loop spins without progress, and that is a hang.
     age, what = min(ages, default=(-1.0, ""))
     # A stopped job (every process in T) works no more, whatever moved just before it stopped.

@@ -11,6 +11,7 @@ from stallwatch.probes.logs import LogObs
 from stallwatch.probes.outputs import OutputsObs
 from stallwatch.probes.processes import ProcessesObs
 from stallwatch.probes.server import ServerObs
+from stallwatch.probes.server_log import ServerLogObs
 from stallwatch.targets import Target
 
 
@@ -29,6 +30,7 @@ class Snapshot(Frozen):
     server: ServerObs | None = None
     kernel: KernelLogObs | None = None
     server_processes: ProcessesObs | None = None  # the tree listening on the server's port
+    server_log: ServerLogObs | None = None  # the server's own log
 
     def probe(self, name: str) -> ProbeReport | None:
         return next((p for p in self.probes if p.name == name), None)

@@ -19,3 +19,4 @@ class Target(Frozen):
     # side): a log it could not read itself is refused (docs/security.md #5). None: no check.
     log_reader_uid: int | None = None
     log_reader_gids: tuple[int, ...] = ()
+    server_log: Path | None = None  # the server's own log (else found from its stdout/stderr)

@@ -200,7 +200,8 @@ class JobRunner:
         return Target(name=self.name, pids=pids, match=self.cfg.match, log=self.log_path(),
                       progress_regex=self.cfg.progress_regex, outputs=self.cfg.outputs,
                       server=self.cfg.server, log_reader_uid=run_as.uid if run_as else None,
-                      log_reader_gids=(run_as.gid, *run_as.groups) if run_as else ())
+                      log_reader_gids=(run_as.gid, *run_as.groups) if run_as else (),
+                      server_log=self.cfg.server_log)
 
     def _ensure_collector(self, pids: tuple[int, ...] = ()) -> None:
         if self.collector is not None:

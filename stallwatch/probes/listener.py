@@ -55,6 +55,11 @@ class ServerProcessesProbe:
         self._probe = None
         self._pid: int | None = None
 
+    @property
+    def pid(self) -> int | None:
+        """The listening process (the server's HTTP process), once found."""
+        return self._pid
+
     def collect(self):
         from stallwatch.probes.processes import ProcessesProbe
         from stallwatch.targets import Target
