@@ -81,7 +81,7 @@ def test_writes_one_valid_file_per_sample_with_tqdm_progress(server, tmp_path):
         ids, mask = make_sample(i, 8, 1000, 0)
         assert d["input_ids"].tolist() == ids and d["loss_mask"].tolist() == mask
         assert (d["hidden_state"].dtype, d["hidden_state"].shape) == ("bfloat16", (1, 8, H))
-        assert d["aux_hidden_state"].shape == (1, 8, 3 * H)
+        assert "aux_hidden_state" not in d  # upstream returns hidden_states only
     for text in (r.stderr, log.read_text()):  # stderr, and the same bar in --log
         events = progress_events(text)
         assert events, text
@@ -90,6 +90,17 @@ def test_writes_one_valid_file_per_sample_with_tqdm_progress(server, tmp_path):
         assert last.postfix == {"processed": 6, "skipped": 0, "pending_io": 0}
         assert [e.done for e in events] == sorted(e.done for e in events)
     assert "\r" in r.stderr  # tqdm-style in-place updates
+
+
+def test_works_against_sglang_0_5_4_too(tmp_path):
+    """The old shape (SpecForge pinned 0.5.4): /get_* routes only, the old titles; /generate
+    and its hidden states are the same, so the reference client's default needs nothing else."""
+    with launch_server([*SERVER_FLAGS, "--sglang-version", "0.5.4", "--chunked-prefill-size", "3"]) as s:
+        out = tmp_path / "out"
+        r = client(s.url, out, 3)
+        assert r.returncode == 0, r.stderr
+        d = ptfile.load(sample_path(out, 2))
+        assert d["hidden_state"].shape == (1, 8, H) and set(d) == {"input_ids", "loss_mask", "hidden_state"}
 
 
 def test_resume_skips_existing_files_even_truncated_ones(server, tmp_path):

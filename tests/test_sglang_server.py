@@ -73,7 +73,7 @@ def test_process_tree_has_sglang_titles(server):
     assert "stallwatch.sglang.protocol_server" in " ".join(cmdline(server.pid))
 
 
-def test_generate_hidden_states_one_element_per_prefill_chunk_then_per_decode_token(server):
+def test_generate_hidden_states_one_prefill_element_then_one_row_per_decode_token(server):
     out = server.generate(list(range(1, 9)), max_new_tokens=3, return_hidden_states=True, rid="r-1")
     meta = out["meta_info"]
     assert meta["id"] == "r-1"
@@ -82,25 +82,25 @@ def test_generate_hidden_states_one_element_per_prefill_chunk_then_per_decode_to
     assert meta["finish_reason"] == {"type": "length", "length": 3}
     assert meta["e2e_latency"] >= 0
     hs = meta["hidden_states"]
-    # --chunked-prefill-size 5: 8 prompt tokens are two chunks (5 + 3), then 2 decode steps
+    # Upstream: the prefill's rows arrive once, as one [8][H] element, even though
+    # --chunked-prefill-size 5 ran it as two chunks (5 + 3); then one 1-D row per decode step
     # (the last generated token is never fed back, as in SGLang).
-    assert [len(hs[0]), len(hs[1])] == [5, 3]
-    assert all(len(row) == 16 for row in hs[0] + hs[1])
-    assert len(hs) == 4 and all(len(v) == 16 and isinstance(v[0], float) for v in hs[2:])
+    assert len(hs[0]) == 8 and all(len(row) == 16 for row in hs[0])
+    assert len(hs) == 3 and all(len(v) == 16 and isinstance(v[0], float) for v in hs[1:])
     again = server.generate(list(range(1, 9)), max_new_tokens=3, return_hidden_states=True)
     assert again["output_ids"] == out["output_ids"] and again["meta_info"]["hidden_states"] == hs
 
 
-def test_generate_batch_text_and_aux(server):
+def test_generate_batch_text_and_no_aux_field(server):
     outs = server.generate([[1, 2, 3], [4, 5]], max_new_tokens=2, return_hidden_states=True)
     assert [o["meta_info"]["prompt_tokens"] for o in outs] == [3, 2]
     assert [len(o["meta_info"]["hidden_states"]) for o in outs] == [2, 2]
+    # Upstream has no return_aux_hidden_states / aux_hidden_states (UPSTREAM §3): not answered
     code, raw = server.request("/generate", "POST", {"text": "hello", "sampling_params": {"max_new_tokens": 1},
                                                      "return_aux_hidden_states": True})
     out = json.loads(raw)
     assert code == 200 and out["meta_info"]["prompt_tokens"] == 5
-    aux = out["meta_info"]["aux_hidden_states"]
-    assert len(aux) == 1 and len(aux[0]) == 5 and len(aux[0][0]) == 3 * 16  # 3 captured layers
+    assert "aux_hidden_states" not in out["meta_info"] and "hidden_states" not in out["meta_info"]
     code, raw = server.request("/generate", "POST", {"sampling_params": {}})
     assert code == 400 and "input_ids" in json.loads(raw)["error"]["message"]
 
@@ -115,8 +115,9 @@ def test_health_info_ready_and_aliases(server):
     for path in ("/server_info", "/get_server_info"):
         code, raw = server.request(path)
         info = json.loads(raw)
-        assert code == 200 and info["version"].startswith("0.5")
-        assert info["internal_states"][0]["#queue-req"] == 0
+        assert code == 200 and info["version"] == "0.5.15" and info["watchdog_timeout"] == 300
+        state = info["internal_states"][0]  # upstream's fields; queue lengths are log-only
+        assert "last_gen_throughput" in state and "memory_usage" in state and "#queue-req" not in state
     assert server.request("/nope")[0] == 404
 
 
@@ -126,11 +127,13 @@ def test_metrics_names_labels_and_counters(server):
     for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:gen_throughput",
                  "sglang:token_usage", "sglang:prompt_tokens_total", "sglang:generation_tokens_total",
                  "sglang:num_requests_total", "sglang:e2e_request_latency_seconds_bucket",
-                 "sglang:time_to_first_token_seconds_count", "sglang:forward_execution_seconds_total",
-                 "sglang:scheduler_idle_seconds_total"):
+                 "sglang:time_to_first_token_seconds_count", "sglang:realtime_tokens_total"):
         assert name in text, name
+    # not upstream, or only with SGLANG_ENABLE_METRICS_DEVICE_TIMER=1
+    for name in ("sglang:scheduler_idle_seconds", "sglang:forward_execution_seconds"):
+        assert name not in text, name
     assert 'sglang:num_running_reqs{engine_type="unified",model_name="tiny",pp_rank="0",tp_rank="0"}' in text
-    assert 'category="decode"' in text and "_created" not in text
+    assert 'mode="decode"' in text and "_created" not in text
     before, _ = scrape(server)
     server.generate([7, 8, 9, 10], max_new_tokens=2)
     after, _ = scrape(server)  # tokenizer-side counters move before the response is sent
@@ -140,9 +143,14 @@ def test_metrics_names_labels_and_counters(server):
     # scheduler-side counters arrive in its next snapshot
     wait_until(lambda: scrape(server)[0]["sglang:realtime_tokens_total"]
                >= before.get("sglang:realtime_tokens_total", 0) + 5, 10, "the scheduler's token counter")
-    # idle time accumulates while nothing runs
-    idle0 = scrape(server)[0]["sglang:scheduler_idle_seconds_total"]
-    wait_until(lambda: scrape(server)[0]["sglang:scheduler_idle_seconds_total"] > idle0, 10, "idle seconds")
+    # a health check moves realtime_tokens (a 1-token prefill), never the tokenizer's counters
+    now, _ = scrape(server)
+    assert server.request("/health_generate")[0] == 200
+    wait_until(lambda: scrape(server)[0]["sglang:realtime_tokens_total"] > now["sglang:realtime_tokens_total"],
+               10, "the health check's token")
+    after_health, _ = scrape(server)
+    for name in ("sglang:prompt_tokens_total", "sglang:generation_tokens_total", "sglang:num_requests_total"):
+        assert after_health[name] == now[name], name
 
 
 def test_metrics_absent_without_flag(tmp_path):
@@ -171,8 +179,8 @@ def test_sigstop_of_the_scheduler_alone(tmp_path):
 
         threading.Thread(target=long_generation, daemon=True).start()
         wait_until(lambda: scrape(s)[1].get("sglang:num_running_reqs") == 1, 10, "a running request")
-        c0 = scrape(s)[0]["sglang:forward_execution_seconds_total"]
-        wait_until(lambda: scrape(s)[0]["sglang:forward_execution_seconds_total"] > c0, 10, "forward time")
+        c0 = scrape(s)[0]["sglang:realtime_tokens_total"]
+        wait_until(lambda: scrape(s)[0]["sglang:realtime_tokens_total"] > c0, 10, "decode tokens")
 
         sched = s.scheduler_pids()[0]
         os.kill(sched, signal.SIGSTOP)
@@ -195,15 +203,33 @@ def test_sigstop_of_the_scheduler_alone(tmp_path):
         finally:
             os.kill(sched, signal.SIGCONT)
         assert s.request("/health_generate", timeout=10)[0] == 200
-        moved = counters_b["sglang:forward_execution_seconds_total"]
-        wait_until(lambda: scrape(s)[0]["sglang:forward_execution_seconds_total"] > moved, 10,
+        moved = counters_b["sglang:realtime_tokens_total"]
+        wait_until(lambda: scrape(s)[0]["sglang:realtime_tokens_total"] > moved, 10,
                    "counters moving again after SIGCONT")
         assert not errors  # the long request was still waiting, not failed
 
 
-def test_crash_fault_leaves_a_zombie_http_server(tmp_path):
+def test_crash_fault_on_current_sglang_takes_the_tree_down(tmp_path):
+    """Since #18582 (2026-03-29) the SubprocessWatchdog sees the dead scheduler within a second,
+    logs it and SIGQUITs the front, which kills the tree: no zombie front any more."""
     log = tmp_path / "server.log"
     with launch_server([*TINY, "--fault", "crash", "--fault-after-requests", "1"], log=str(log)) as s:
+        sched = s.scheduler_pids()[0]
+        s.generate([1, 2, 3], max_new_tokens=2)
+        s.proc.wait(timeout=15)
+        assert s.proc.returncode == -signal.SIGKILL
+        assert log_has(s, f"Subprocess scheduler_0 (pid={sched}) crashed with exit code 1. "
+                          "Triggering SIGQUIT for cleanup...")
+        assert log_has(s, "SIGQUIT received. signum=None, frame=None. It usually means one child failed.")
+        with pytest.raises(ConnectionRefusedError):
+            s.request("/health", timeout=2)
+
+
+def test_crash_fault_on_0_5_4_leaves_a_zombie_http_server(tmp_path):
+    """The old behaviour (#18421), which recorded traces before 2026-03 show."""
+    log = tmp_path / "server.log"
+    with launch_server([*TINY, "--sglang-version", "0.5.4", "--fault", "crash", "--fault-after-requests", "1"],
+                       log=str(log)) as s:
         sched = s.scheduler_pids()[0]
         assert s.generate([1, 2, 3], max_new_tokens=2)["meta_info"]["completion_tokens"] == 2
         wait_until(lambda: task_state(sched) is None, 10, "the scheduler to exit")
@@ -211,7 +237,7 @@ def test_crash_fault_leaves_a_zombie_http_server(tmp_path):
                    "the front to log the child's exit")
         assert log_has(s, "Scheduler hit an exception") and log_has(s, "RuntimeError: injected fault")
         assert s.scheduler_pids() == [] and s.detokenizer_pid() is not None
-        assert s.request("/model_info", timeout=2)[0] == 200
+        assert s.request("/get_model_info", timeout=2)[0] == 200 and s.request("/model_info")[0] == 404
         assert s.request("/health_generate", timeout=10)[0] == 503
         assert log_has(s, "Health check failed.")
         with pytest.raises(TimeoutError):  # requests now wait forever, as with a dead scheduler
@@ -244,7 +270,7 @@ def test_exit_fault_takes_the_whole_server_down(tmp_path):
         s.generate([1, 2, 3])
         s.proc.wait(timeout=15)
         assert s.proc.returncode == -signal.SIGKILL  # SGLang's kill_process_tree kills itself too
-        assert log_has(s, "Received sigquit from a child process. It usually means the child failed.")
+        assert log_has(s, "SIGQUIT received. signum=3, frame=")
         with pytest.raises(ConnectionRefusedError):
             s.request("/health", timeout=2)
 
@@ -276,3 +302,62 @@ def test_torch_tp2_gloo_and_a_stopped_rank_stalls_rank0(tmp_path):
         finally:
             os.kill(follower, signal.SIGCONT)
         assert s.generate([7, 8], timeout=20)["meta_info"]["completion_tokens"] == 1
+
+
+# ------------------------------------------------------------------------------ the shapes
+
+
+@pytest.mark.parametrize("version, titles, new_routes", [
+    ("current", ["sglang::scheduler_PP0_TP0_EP0", "sglang::scheduler_PP0_TP1_EP1",
+                 "sglang::scheduler_PP1_TP0_EP0", "sglang::scheduler_PP1_TP1_EP1"], True),
+    ("0.5.4", ["sglang::scheduler_TP0_EP0_PP0", "sglang::scheduler_TP1_EP1_PP0",
+               "sglang::scheduler_TP0_EP0_PP1", "sglang::scheduler_TP1_EP1_PP1"], False),
+])
+def test_shapes_titles_routes_and_log_prefix(tmp_path, version, titles, new_routes):
+    log = tmp_path / "server.log"
+    with launch_server([*TINY, "--sglang-version", version, "--tp", "2", "--pp", "2", "--ep", "2"],
+                       log=str(log)) as s:
+        assert sorted(cmdline(p)[0] for p in s.scheduler_pids()) == sorted(titles)
+        assert s.request("/server_info")[0] == (200 if new_routes else 404)
+        assert s.request("/model_info")[0] == (200 if new_routes else 404)
+        code, raw = s.request("/get_server_info")
+        assert code == 200 and json.loads(raw)["version"] == ("0.5.15" if new_routes else "0.5.4")
+        s.generate([1, 2, 3])
+        prefix = "PP0 TP0 EP0" if new_routes else "TP0 EP0 PP0"
+        assert log_has(s, f" {prefix}] Prefill batch")
+        # the deprecated name still answers on current SGLang, with a warning per call
+        assert log_has(s, "Endpoint '/get_server_info' is deprecated") is new_routes
+
+
+def test_metrics_at_tp4_with_all_schedulers_report_true_counts(tmp_path):
+    """Every TP rank exports its group's gauges: the probe must not multiply them by 4."""
+    from stallwatch.probes.server import ServerProbe
+
+    log = tmp_path / "server.log"
+    with launch_server([*TINY, "--tp", "4", "--enable-metrics", "--enable-metrics-for-all-schedulers",
+                        "--max-running-requests", "1", "--forward-delay-s", "0.01",
+                        "--decode-log-interval", "1000"], log=str(log)) as s:
+        for _ in range(3):  # one runs, two wait in the queue
+            threading.Thread(target=lambda: _ignore(lambda: s.generate([1, 2], max_new_tokens=100_000,
+                                                                         timeout=60)), daemon=True).start()
+        text = lambda: s.request("/metrics")[1].decode()  # noqa: E731
+        wait_until(lambda: text().count('sglang:num_queue_reqs{') == 4 and
+                   'sglang:num_queue_reqs{engine_type="unified",model_name="tiny",pp_rank="0",tp_rank="3"} 2.0'
+                   in text(), 20, "four ranks reporting 2 queued")
+        probe = ServerProbe(s.url, collect_wait_s=5)
+        m = probe.collect().metrics
+        assert m.gauges["sglang:num_running_reqs"] == 1 and m.gauges["sglang:num_queue_reqs"] == 2
+
+
+def _ignore(fn) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - the server is stopped under it at the end
+        pass
+
+
+def test_aux_layers_make_hidden_states_the_capture(tmp_path):
+    """An EAGLE-3 target returns its captured layers' concatenation in hidden_states."""
+    with launch_server([*TINY, "--enable-return-hidden-states", "--aux-layers", "0,1"]) as s:
+        hs = s.generate([1, 2, 3], return_hidden_states=True)["meta_info"]["hidden_states"]
+        assert len(hs) == 1 and len(hs[0]) == 3 and len(hs[0][0]) == 2 * 16

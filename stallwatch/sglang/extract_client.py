@@ -5,7 +5,7 @@
 
 For each sample it POSTs /generate with `return_hidden_states` (max_new_tokens 1, so the
 answer is the prefill's hidden states, one element per prefill chunk), and saves
-`{input_ids, loss_mask, hidden_state, aux_hidden_state}` with torch.save's format to
+`{input_ids, loss_mask, hidden_state}` with torch.save's format to
 `{out}/rows_{g}-{g+2000}/data_{idx}.ckpt` — straight to the final path, as SpecForge does
 (`--atomic` writes a temporary file and renames it: the fix). `--resume` skips files that exist
 (so, like SpecForge, a truncated file left by a killed run counts as done; `--verify-existing`
@@ -59,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--verify-existing", action="store_true",
       help="with --resume: redo existing files that are not whole archives (not SpecForge's behaviour)")
     a("--atomic", action="store_true", help="write a temporary file, fsync, rename (the safe way)")
-    a("--no-aux", action="store_true", help="do not ask for aux hidden states (real SGLang servers)")
+    # Upstream SGLang has only return_hidden_states -> meta_info["hidden_states"] (an EAGLE-3
+    # target returns its captured layers' concatenation there): nothing else is asked for.
+    a("--no-aux", action="store_true", help=argparse.SUPPRESS)  # accepted for old command lines
     a("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     a("--io-workers", type=int, default=1, help="background writer threads (0: write inline)")
     a("--max-pending-io", type=int, default=4, help="queued writes before generation waits")
@@ -233,12 +235,11 @@ def make_sample(idx: int, seq_len: int, vocab: int, seed: int) -> tuple[list[int
 class Generator:
     """One HTTP connection per thread; POST /generate with a long timeout."""
 
-    def __init__(self, server: str, timeout_s: float, aux: bool) -> None:
+    def __init__(self, server: str, timeout_s: float) -> None:
         u = urlsplit(server if "//" in server else f"http://{server}")
         self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
         self.prefix = u.path.rstrip("/")
         self.timeout_s = timeout_s
-        self.aux = aux
         self._local = threading.local()
 
     def _conn(self) -> http.client.HTTPConnection:
@@ -250,8 +251,6 @@ class Generator:
     def generate(self, batch: list[list[int]]) -> list[dict]:
         body = {"input_ids": batch, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
                 "return_hidden_states": True}
-        if self.aux:
-            body["return_aux_hidden_states"] = True
         data = json.dumps(body).encode()
         conn = self._conn()
         try:
@@ -290,10 +289,9 @@ def _has_nan(rows: list) -> bool:
     return any(math.isnan(x) for row in rows for x in row)
 
 
-def build_record(ids: list[int], mask: list[int], meta: dict, dtype: str, aux: bool, use_torch: bool) -> dict:
+def build_record(ids: list[int], mask: list[int], meta: dict, dtype: str, use_torch: bool) -> dict:
     hidden = _rows(meta.get("hidden_states") or [], len(ids), "hidden_states")
-    aux_rows = _rows(meta.get("aux_hidden_states") or [], len(ids), "aux_hidden_states") if aux else None
-    if _has_nan(hidden) or (aux_rows is not None and _has_nan(aux_rows)):
+    if _has_nan(hidden):
         raise ValueError("NaN in hidden states")
     if use_torch:
         import torch
@@ -301,13 +299,9 @@ def build_record(ids: list[int], mask: list[int], meta: dict, dtype: str, aux: b
         dt = getattr(torch, dtype)
         rec = {"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask, dtype=torch.long),
                "hidden_state": torch.tensor(hidden, dtype=dt).unsqueeze(0)}
-        if aux_rows is not None:
-            rec["aux_hidden_state"] = torch.tensor(aux_rows, dtype=dt).unsqueeze(0)
         return rec
     rec = {"input_ids": ptfile.Tensor.from_list(ids, "int64"), "loss_mask": ptfile.Tensor.from_list(mask, "int64"),
            "hidden_state": ptfile.Tensor.from_list([hidden], dtype)}
-    if aux_rows is not None:
-        rec["aux_hidden_state"] = ptfile.Tensor.from_list([aux_rows], dtype)
     return rec
 
 
@@ -320,7 +314,7 @@ class Extraction:
         self.err = err
         self.out = Path(args.out)
         self.use_torch = ptfile.torch_available()
-        self.gen = Generator(args.server, args.timeout_s, not args.no_aux)
+        self.gen = Generator(args.server, args.timeout_s)
         self.processed = self.skipped = 0
         self.io_futures: deque[Future] = deque()
         self.io_pool = ThreadPoolExecutor(args.io_workers, thread_name_prefix="save") if args.io_workers > 0 else None
@@ -411,7 +405,7 @@ class Extraction:
         for (idx, ids, mask), res in zip(batch, results):
             meta = res.get("meta_info") or {}
             try:
-                rec = build_record(ids, mask, meta, self.a.dtype, not self.a.no_aux, self.use_torch)
+                rec = build_record(ids, mask, meta, self.a.dtype, self.use_torch)
             except ValueError as e:  # NaN: skipped, as SpecForge does (leaves a gap)
                 print(f"\nsample {idx}: {e}; skipped", file=self.err)
                 self.skipped += 1
