@@ -700,7 +700,8 @@ def _ranks(snap: Snapshot) -> dict[str, Any]:
         gpus = gpu_of.get(p.pid, [])
         quiet = _quiet(p.ctx_unchanged_for_s, p.last_ran_age_s)
         stuck = p.state in ("T", "t", "D", "Z") or quiet >= 10
-        ranks.append({"rank": title.tp, "label": title.label, "key": list(title.key), "pid": p.pid, "state": p.state, "cpu_util": p.cpu_util or 0.0,
+        ranks.append({"rank": title.tp, "label": title.label, "key": list(title.key), "pid": p.pid,
+                      "state": p.state, "state_for_s": p.state_since_s, "cpu_util": p.cpu_util or 0.0,
                       "cpu_pct": round((p.cpu_util or 0.0) * 100.0), "quiet_s": quiet,
                       "quiet_h": human_s(quiet), "wchan": p.wchan or "", "stuck": stuck,
                       "gpu": gpus[0][0] if gpus else -1,

@@ -117,15 +117,22 @@ def _deadline(server: dict[str, Any], client: dict[str, Any], timeout: float | N
             "watchdog_text": text}
 
 
+BUSY_MIN_S = 2.0  # a rank seen in R this long, not a wake-up caught by one sample
+
+
 def server_busy(server: dict[str, Any], client: dict[str, Any]) -> bool:
-    """Every scheduler rank on the CPU (state R: running or runnable, whatever its share of a
-    loaded machine) and none stuck or gone, while the client waits on it: one long batch (a
-    large return_hidden_states prefill copies T×H rows to the CPU), not a hang. Bounded by the
-    watchdog: past its timeout SGLang itself calls the batch stuck."""
+    """One long batch, not a hang (a large return_hidden_states prefill copies T×H rows to the
+    CPU inside the loop): the client is blocked reading its request's answer, every scheduler
+    rank has stayed on the CPU (state R: running or runnable, whatever its share of a loaded
+    machine) for BUSY_MIN_S, none is stuck or gone, and the gauges, when known, do not say the
+    server is empty (an idle SGLang scheduler may spin too). Bounded by the watchdog: past its
+    timeout SGLang itself calls the batch stuck."""
     ranks = server.get("ranks") or []
-    if not ranks or server.get("ranks_gone") or not client.get("waiting"):
+    if not ranks or server.get("ranks_gone") or not client.get("blocked"):
         return False
-    if any(r.get("stuck") or r["state"] != "R" for r in ranks):
+    if any(r.get("stuck") or r["state"] != "R" or r.get("state_for_s", 0.0) < BUSY_MIN_S for r in ranks):
+        return False
+    if server.get("metrics_ok") and server.get("running_reqs", -1.0) == 0 and server.get("queue_reqs", -1.0) == 0:
         return False
     timeout = server.get("watchdog_timeout_s", -1.0)
     return timeout <= 0 or float(client.get("quiet_s") or 0.0) < timeout

@@ -111,8 +111,8 @@ def test_a_discovered_log_its_user_could_not_read_is_not_read(tmp_path) -> None:
     assert stdio_log((OpenFileObs(fd=2, path="pipe:[123]"),), 77) is None
 
 
-def _rank(state: str, quiet_s: float = 0.0, stuck: bool = False) -> dict:
-    return {"state": state, "quiet_s": quiet_s, "stuck": stuck}
+def _rank(state: str, quiet_s: float = 0.0, stuck: bool = False, state_for_s: float = 5.0) -> dict:
+    return {"state": state, "quiet_s": quiet_s, "stuck": stuck, "state_for_s": state_for_s}
 
 
 def test_watchdog_deadline_from_the_last_forward() -> None:
@@ -127,12 +127,15 @@ def test_watchdog_deadline_from_the_last_forward() -> None:
     assert not _deadline({"ranks": [_rank("S")], "running_reqs": 0.0}, {"waiting": False}, 300.0, "")["watchdog_armed"]
 
 
-@pytest.mark.parametrize("ranks, waiting, busy", [
-    ([_rank("R"), _rank("R")], True, True),
-    ([_rank("R"), _rank("T", 30.0, True)], True, False),  # one rank stopped: the others spin on it
-    ([_rank("R"), _rank("S")], True, False),
-    ([_rank("R"), _rank("R")], False, False),
+@pytest.mark.parametrize("ranks, blocked, running, busy", [
+    ([_rank("R"), _rank("R")], True, 1.0, True),
+    ([_rank("R"), _rank("T", 30.0, True)], True, 1.0, False),  # one rank stopped: the others spin on it
+    ([_rank("R"), _rank("S")], True, 1.0, False),
+    ([_rank("R"), _rank("R", state_for_s=0.5)], True, 1.0, False),  # a wake-up caught by one sample
+    ([_rank("R"), _rank("R")], False, 1.0, False),  # the client is not waiting for an answer
+    ([_rank("R"), _rank("R")], True, 0.0, False),  # an idle scheduler spinning (SGLang's loop)
 ])
-def test_server_busy(ranks, waiting, busy) -> None:
-    server = {"ranks": ranks, "ranks_gone": [], "watchdog_timeout_s": 300.0}
-    assert server_busy(server, {"waiting": waiting, "quiet_s": 30.0}) is busy
+def test_server_busy(ranks, blocked, running, busy) -> None:
+    server = {"ranks": ranks, "ranks_gone": [], "watchdog_timeout_s": 300.0, "metrics_ok": True,
+              "running_reqs": running, "queue_reqs": 0.0}
+    assert server_busy(server, {"blocked": blocked, "quiet_s": 30.0}) is busy
