@@ -20,7 +20,8 @@ from stallwatch.probes.server import parse_metrics
 from stallwatch.sglang.protocol_server import ServerProcess
 from stallwatch.sglang.protocol_server import launch_server as _launch
 
-TINY = ["--hidden-size", "16", "--num-layers", "2", "--health-timeout-s", "2", "--no-access-log"]
+TINY = ["--hidden-size", "16", "--num-layers", "2", "--health-timeout-s", "2", "--no-access-log",
+        "--device", "python"]
 
 
 def launch_server(*args, **kw):
