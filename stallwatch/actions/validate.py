@@ -663,7 +663,7 @@ def validate_outputs(
         notes.append(f"{out_dir} does not exist: nothing was written, nothing to check")
         return report()
     except OSError as exc:
-        errors.append(f"outputs {out_dir}: {exc}")
+        errors.append(f"outputs: {exc}")
         return report()
     q_fd: int | None = None
     try:
@@ -674,7 +674,7 @@ def validate_outputs(
         except FileNotFoundError:
             q_ident = None  # a dry run creates nothing
         except OSError as exc:
-            errors.append(f"quarantine {qdir}: {exc}")
+            errors.append(f"quarantine: {exc}")
             return report()
         scanned, found = _walk(out_fd, out_dir, patterns, since_wall, q_ident, max_depth,
                                errors, skipped)
