@@ -247,6 +247,8 @@ class JobConfig(_Strict):
                 compile_progress_regex(self.progress_regex)
             except ValueError as e:
                 raise ValueError(f"progress_regex: {e}") from None
+        if self.group is not None and self.user is None:
+            raise _Located(("group",), "`group` needs `user`: the job runs as a user, in this group")
         if self.restart_backoff_max_s < self.restart_backoff_s:
             raise ValueError("restart_backoff_max_s must not be below restart_backoff_s")
         return self

@@ -135,3 +135,17 @@ def test_cli_run_with_malformed_config_exits_3_naming_file_and_key(tmp_path: Pat
     line, = r.stderr.strip().splitlines()
     assert line.startswith(f"stallwatch: {p}:7: job[0].max_restarts: "), line
     assert not (tmp_path / "state").exists(), "nothing is created for a config that is refused"
+
+
+def test_user_and_group_keys(tmp_path: Path) -> None:
+    """security.md: who a job runs as; a name or a numeric id; a group only with a user."""
+    p = tmp_path / "sw.toml"
+    p.write_text('[[job]]\nname = "a"\ncommand = ["true"]\nuser = 65534\ngroup = "nogroup"\n')
+    p.chmod(0o600)
+    job, = load_config(p).job
+    assert (job.user, job.group) == ("65534", "nogroup")
+    for bad, says in (('user = "a b"', "not a user or group name"),
+                      ('group = "users"', "`group` needs `user`")):
+        p.write_text(f'[[job]]\nname = "a"\ncommand = ["true"]\n{bad}\n')
+        with pytest.raises(UsageError, match=says):
+            load_config(p)

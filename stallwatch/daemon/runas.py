@@ -63,7 +63,10 @@ def _parse(argv: list[str]) -> tuple[dict[str, str], list[str]]:
 
 
 def drop(uid: int, gid: int, groups: list[int]) -> None:
-    """setgroups, setresgid, setresuid: all three ids, so nothing can be regained."""
+    """setgroups, setresgid, setresuid: all three ids, so nothing can be regained. A daemon not
+    run as root can only be the user already (`user` = the daemon's own user)."""
+    if os.geteuid() != 0 and os.getresuid() == (uid, uid, uid) and os.getegid() == gid:
+        return
     os.setgroups(groups)
     os.setresgid(gid, gid, gid)
     os.setresuid(uid, uid, uid)

@@ -323,7 +323,8 @@ def identity_exists(pid: int | None, ticks: int | None) -> bool:
 
 
 def find_wrapper(status_file: str | os.PathLike[str]) -> int | None:
-    """A live wrapper process for this status file (its command line names the file)."""
+    """A live wrapper process for this status file (its command line names the file, and it
+    runs as the daemon does: a job's user can name any command line, not take our uid)."""
     needle = os.fsencode(str(status_file))
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -334,6 +335,11 @@ def find_wrapper(status_file: str | os.PathLike[str]) -> int | None:
         except OSError:
             continue
         if b"stallwatch.daemon.wrap" in argv and needle in argv:
+            try:  # a command line is anyone's to choose; the wrapper runs as we do
+                if os.stat(f"/proc/{name}").st_uid != os.geteuid():
+                    continue
+            except OSError:
+                continue
             st = proc_state(int(name))
             if st and st[0] not in ("Z", "X"):
                 return int(name)
