@@ -46,9 +46,11 @@ __all__ = ["Spawned", "SpawnError", "RunAs", "resolve_user", "job_environment", 
 
 STATUS_MAX_BYTES = 64 << 10  # a status document is a few hundred bytes
 # What a job inherits from the daemon's environment, and nothing else: the locale, the search
-# path and where temporary files go. Secrets (url_env), credentials (AWS_*, tokens), the
-# daemon's sd_notify socket and whatever the admin's shell exported stay with the daemon.
-INHERITED_ENV = re.compile(r"^(PATH|LANG|LANGUAGE|LC_[A-Z_]+|TZ|TMPDIR|PYTHONPATH)$")
+# paths, where temporary files go, which GPUs and CUDA. Secrets (url_env), credentials (AWS_*,
+# tokens), the daemon's sd_notify socket and whatever else the admin's shell exported stay with
+# the daemon; a job needs more through its `env`.
+INHERITED_ENV = re.compile(r"^(PATH|LANG|LANGUAGE|LC_[A-Z_]+|TZ|TMPDIR|PYTHONPATH|LD_LIBRARY_PATH"
+                           r"|VIRTUAL_ENV|CUDA_HOME|CUDA_VISIBLE_DEVICES)$")
 
 
 class SpawnError(Exception):
