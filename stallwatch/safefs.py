@@ -185,11 +185,14 @@ def read_bounded(path: str | os.PathLike[str], max_bytes: int) -> bytes:
 
 
 def fd_dir(fd: int) -> Iterator[os.DirEntry[str]]:
-    """Entries of a directory fd (scandir on a readable reopening: scandir closes what it
-    gets, and an O_PATH fd cannot be read)."""
+    """Entries of a directory fd (an O_PATH fd cannot be read: scandir gets a readable
+    reopening, which it duplicates and so is closed here)."""
     rfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
-    with os.scandir(rfd) as it:
-        yield from it
+    try:
+        with os.scandir(rfd) as it:
+            yield from it
+    finally:
+        os.close(rfd)
 
 
 def readable_by(st: os.stat_result, uid: int, gids: set[int] | frozenset[int]) -> bool:

@@ -103,3 +103,19 @@ def test_readable_by_follows_the_mode_bits() -> None:
     assert safefs.readable_by(st, 2000, frozenset({100}))
     assert not safefs.readable_by(st, 2000, frozenset({5}))
     assert safefs.readable_by(st, 0, frozenset())
+
+
+def test_no_descriptor_is_left_open(tmp_path: Path) -> None:
+    """A daemon walks outputs trees for weeks: one fd lost per directory would end it."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").write_text("x")
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(50):
+        fd = safefs.open_dir(tmp_path)
+        assert [e.name for e in safefs.fd_dir(fd)] == ["d"]
+        sub = safefs.subdir(fd, "d")
+        os.close(safefs.open_in(sub, "f"))
+        os.close(sub)
+        os.close(fd)
+        safefs.read_bounded(tmp_path / "d" / "f", 10)
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -426,3 +426,14 @@ def test_a_file_swapped_for_a_symlink_or_device_is_never_moved(tmp_path):
     rep = validate_outputs(out, None, q, use_torch=False)
     (_, _, reason), = rep.quarantined
     assert "'P'" not in reason and reason.endswith("UnpicklingError"), reason
+
+
+def test_validation_leaves_no_descriptor_open(tmp_path):
+    out, q = tmp_path / "out", tmp_path / "q"
+    files = build_outputs(out, old_mtime=1_000_000.0, new_mtime=2_000_000.0)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        validate_outputs(out, None, q, use_torch=False, dry_run=True)
+    validate_outputs(out, None, q, use_torch=False)
+    assert not files["cut"].exists()
+    assert len(os.listdir("/proc/self/fd")) == before
