@@ -36,7 +36,11 @@ _SDK_LOG.setLevel(logging.CRITICAL)
 
 
 def esc(text: str) -> str:
-    """Escape text for Slack mrkdwn (&, <, > are control characters there)."""
+    """Escape text for Slack (&, <, > are its control characters: `<!channel>`, `<url|label>`).
+
+    Everything in a message but the admin's `mention` goes through this, the top-level `text`
+    and the plain_text header included: a job's user names its processes, files and log lines,
+    and with them could page a whole channel or plant a link (issue 22 #11)."""
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
@@ -63,9 +67,9 @@ def fallback_text(event: AlertEvent, mention: str | None = None) -> str:
     if event.state == "resolved":
         age = incident_age(event)
         after = f" after {fmt_duration(age)}" if age is not None else ""
-        return f"{RESOLVED_ICON} {title(event)}{host}{after}"
+        return f"{RESOLVED_ICON} {esc(title(event))}{esc(host)}{after}"
     lead = f"{mention} " if mention else ""
-    return f"{lead}{_icon(event)} {title(event)}{host}: {event.summary}"
+    return f"{lead}{_icon(event)} {esc(title(event))}{esc(host)}: {esc(event.summary)}"
 
 
 def _context(event: AlertEvent) -> dict[str, Any]:
@@ -92,7 +96,8 @@ def _context(event: AlertEvent) -> dict[str, Any]:
 def firing_blocks(event: AlertEvent, mention: str | None = None) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = [{
         "type": "header",
-        "text": {"type": "plain_text", "text": _cut(f"{_icon(event)} {title(event)}", HEADER_MAX),
+        "text": {"type": "plain_text", "text": _cut(f"{_icon(event)} {esc(title(event))}",
+                                                     HEADER_MAX),
                  "emoji": True},
     }]
     age = incident_age(event)
