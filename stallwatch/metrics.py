@@ -608,10 +608,14 @@ class MetricsExporter:
         """Start the HTTP server (no-op without `listen`). Raises OSError if it cannot bind."""
         if self.listen is None or self._httpd is not None:
             return self
-        from prometheus_client import start_http_server
-        self._httpd, self._thread = start_http_server(self._port, addr=self._host,
-                                                      registry=self.registry)
-        self._thread.name = "stallwatch-metrics"
+        from prometheus_client import make_wsgi_app
+
+        from stallwatch.metrics_http import MetricsServer
+
+        # Not prometheus_client.start_http_server: a thread per connection, without timeouts
+        # (stallwatch/metrics_http.py says why).
+        self._httpd = MetricsServer(self._host, self._port, make_wsgi_app(self.registry)).start()
+        self._thread = self._httpd.thread
         log.info("metrics on http://%s/metrics", self.address)
         return self
 
@@ -658,10 +662,7 @@ class MetricsExporter:
         if self.textfile is not None and dirty:
             self.flush()
         if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            if self._thread is not None:
-                self._thread.join(timeout=5)
+            self._httpd.close()
             self._httpd = None
 
     def __enter__(self) -> MetricsExporter:

@@ -63,3 +63,73 @@ def test_slack_escapes_everything_the_job_names(receiver_factory) -> None:  # no
 def test_slack_message_escapes_top_level_text_without_a_mention() -> None:
     msg = slack_message(event(summary="a & b <!channel>"))
     assert msg["text"].endswith(": a &amp; b &lt;!channel&gt;")
+
+
+# ------------------------------------------------------------------------- #8 metrics server
+
+
+def _scrape(port: int, timeout: float = 10.0) -> tuple[int, str]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
+        return r.status, r.read().decode()
+
+
+@pytest.fixture()
+def exporter():
+    from stallwatch.metrics import DaemonView, JobView, MetricsExporter
+
+    e = MetricsExporter("127.0.0.1:0").start()
+    e.update([JobView(name="victim", kind="healthy")], DaemonView(version="t"))
+    yield e
+    e.close()
+
+
+def test_idle_connections_hold_no_thread_and_never_crowd_out_a_scrape(exporter) -> None:
+    import threading
+
+    threads_before = threading.active_count()
+    idle = []
+    try:
+        for _ in range(300):  # ten times the connection limit
+            idle.append(socket.create_connection(("127.0.0.1", exporter.port), timeout=10))
+        t0 = time.monotonic()
+        status, text = _scrape(exporter.port)
+        took = time.monotonic() - t0
+        assert status == 200 and 'stallwatch_job_verdict{job="victim",kind="healthy"} 1.0' in text
+        assert took < 5.0, f"a scrape behind 300 idle connections took {took:.1f} s"
+        # prometheus_client's own server would hold ~300 threads now.
+        assert threading.active_count() <= threads_before + 1
+        assert exporter._httpd.evicted >= 300 - exporter._httpd.max_connections - 1
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_a_trickled_request_is_cut_off_after_the_read_timeout() -> None:
+    from prometheus_client import CollectorRegistry, make_wsgi_app
+
+    from stallwatch.metrics_http import MetricsServer
+
+    srv = MetricsServer("127.0.0.1", 0, make_wsgi_app(CollectorRegistry()),
+                        read_timeout_s=0.5).start()
+    try:
+        s = socket.create_connection(srv.server_address, timeout=10)
+        s.sendall(b"GET /metrics HTTP/1.1\r\n")
+        t0 = time.monotonic()
+        for _ in range(20):  # a header line every 0.1 s, never the blank line
+            try:
+                s.sendall(b"X-Slow: 1\r\n")
+            except OSError:
+                break
+            time.sleep(0.1)
+        s.settimeout(10)
+        assert s.recv(100) == b""  # closed, without an answer
+        assert time.monotonic() - t0 < 5.0
+        s.close()
+        big = socket.create_connection(srv.server_address, timeout=10)
+        big.sendall(b"GET /metrics HTTP/1.1\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n")
+        assert big.recv(100).startswith(b"HTTP/1.1 431")
+        big.close()
+    finally:
+        srv.close()
