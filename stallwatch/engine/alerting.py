@@ -145,10 +145,17 @@ class Evaluator:
         if self._last is not None and now < self._last:
             raise ValueError(f"time went backwards: {now} < {self._last}")
         self._last = now
-        env = prepare(data)
         errors: list[EvalError] = []
         transitions: list[Transition] = []
-        for rule in self.rules:
+        try:
+            env: Vars | None = prepare(data)
+        except (ValueError, TypeError) as exc:
+            # Variables CEL cannot take: every rule is skipped as if its query failed (state
+            # kept, nothing fires or resolves by accident) and the error is reported, never
+            # raised out of the tick.
+            env = None
+            errors.append(EvalError(rule="*", where="variables", error=str(exc)[:500]))
+        for rule in self.rules if env is not None else ():
             self._evaluate_rule(rule, env, now, errors, transitions)
         alerts = sorted((i.snapshot() for i in self._active.values()),
                         key=lambda a: (self._order[a.rule], sorted(a.labels.items())))
