@@ -86,9 +86,13 @@ class DaemonConfig(_Strict):
     evidence: bool = True  # capture an evidence bundle on every incident
     evidence_timeout_s: float = 20.0  # a kill waits this long at most for the bundle
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # One job's share of a tick (issue 22 #9): its processes probe examines the tree for at most
+    # half of this, and a job whose tick took longer is ticked after the others next time, so a
+    # user who grows a huge tree delays the watch of their own job, not another's.
+    job_tick_deadline_s: float = 2.0
 
     @field_validator("interval_s", "tick_deadline_s", "probe_deadline_s", "evidence_timeout_s",
-                     mode="before")
+                     "job_tick_deadline_s", mode="before")
     @classmethod
     def _dur(cls, v: Any) -> float:
         return _duration(v)
@@ -158,6 +162,11 @@ class JobConfig(_Strict):
     # The Slurm job this job runs inside (deploy/slurm/stallwatch-node.sh writes it): a death by
     # signal while Slurm ends that allocation (scancel, time limit) is not a crash (stallwatch.slurm).
     slurm_job_id: str | None = None
+    # The job's tree is its user's to grow: each tick examines at most this many of its
+    # processes and threads; the rest are counted and their exits seen, with a "too wide to
+    # watch fully" warning (issue 22 #9; docs/security.md).
+    max_processes: int = Field(default=1024, ge=1)
+    max_threads: int = Field(default=8192, ge=1)
 
     @field_validator("kill_grace_s", "restart_backoff_s", "restart_backoff_max_s",
                      "restart_reset_after_s", "validate_window_s", "gpu_release_timeout_s", "startup_grace_s",

@@ -118,6 +118,10 @@ class JobView(_View):
     max_restarts: int | None = Field(default=None, ge=0)  # the budget; None: restart = "no"
     incidents: dict[str, int] = Field(default_factory=dict)  # kind -> incidents so far
     gpus: tuple[JobGpu, ...] = ()
+    # What keeps the job from being judged fully (daemon/watchwarn.py): rules failing tick after
+    # tick, a tree past its caps; and how many of its processes the caps left unexamined.
+    watch_warnings: int = Field(default=0, ge=0)
+    processes_unwatched: int = Field(default=0, ge=0)
 
     @field_validator("kind")
     @classmethod
@@ -153,12 +157,14 @@ class JobView(_View):
     def from_snapshot(cls, name: str, snap: Any | None, *, kind: str = "unknown",
                       state: str = "running", restarts: int = 0,
                       max_restarts: int | None = None, restart_streak: int = 0,
-                      incidents: Mapping[str, int] | None = None) -> JobView:
+                      incidents: Mapping[str, int] | None = None,
+                      watch_warnings: int = 0) -> JobView:
         """Progress and GPU memory from the job's latest Snapshot; the rest from the daemon.
 
         `snap` is a stallwatch.snapshot.Snapshot (or None before the first tick)."""
         done = total = rate = eta = last_ts = None
         gpus: tuple[JobGpu, ...] = ()
+        unwatched = 0
         if snap is not None:
             lg = snap.log
             pr = lg.progress if lg is not None else None
@@ -171,10 +177,14 @@ class JobView(_View):
                     last_ts = snap.t_wall - lg.idle_s
             pids = {p.pid for p in snap.processes.processes} if snap.processes else set()
             gpus = job_gpus(snap.gpu, pids)
+            pr_obs = snap.processes
+            if pr_obs is not None:
+                unwatched = max(0, pr_obs.tree_processes - pr_obs.watched_processes)
         return cls(name=name, kind=kind, state=state, done=done, total=total, rate_per_s=rate,
                    eta_s=eta, last_progress_timestamp_s=last_ts, restarts=restarts,
                    max_restarts=max_restarts, restart_streak=restart_streak,
-                   incidents=dict(incidents or {}), gpus=gpus)
+                   incidents=dict(incidents or {}), gpus=gpus, watch_warnings=watch_warnings,
+                   processes_unwatched=unwatched)
 
 
 class GpuView(_View):
@@ -357,6 +367,13 @@ def families(jobs: Sequence[JobView], daemon: DaemonView | None) -> list[Metric]
     jgpu = GaugeMetricFamily("stallwatch_job_gpu_memory_used_bytes",
                              "GPU memory held by the job's processes, per GPU.",
                              labels=J + ["gpu", "uuid"])
+    warn = GaugeMetricFamily("stallwatch_job_watch_warnings",
+                             "Warnings about the watch of the job: rules failing on every tick, "
+                             "a process tree too wide to watch fully (`stallwatch status` says "
+                             "which).", labels=J)
+    unwatched = GaugeMetricFamily("stallwatch_job_processes_unwatched",
+                                  "Processes of the job's tree past its max_processes / "
+                                  "max_threads caps: counted, not examined.", labels=J)
     seen: set[str] = set()
     for j in jobs:
         if j.name in seen:  # two series with one label set would make the whole scrape invalid
@@ -377,6 +394,8 @@ def families(jobs: Sequence[JobView], daemon: DaemonView | None) -> list[Metric]
         if j.last_progress_timestamp_s is not None:
             last.add_metric([j.name], j.last_progress_timestamp_s)
         restarts.add_metric([j.name], float(j.restarts))
+        warn.add_metric([j.name], float(j.watch_warnings))
+        unwatched.add_metric([j.name], float(j.processes_unwatched))
         if j.max_restarts is not None:
             max_restarts.add_metric([j.name], float(j.max_restarts))
             streak.add_metric([j.name], float(j.restart_streak))
@@ -387,7 +406,7 @@ def families(jobs: Sequence[JobView], daemon: DaemonView | None) -> list[Metric]
             if g.used_bytes is not None:
                 jgpu.add_metric([j.name, str(g.index), g.uuid], float(g.used_bytes))
     out: list[Metric] = [verdict, state, done, total, rate, eta, last, restarts, max_restarts,
-                         streak, incidents, jgpu]
+                         streak, incidents, jgpu, warn, unwatched]
     if daemon is not None:
         out += _daemon_families(daemon)
     return out
@@ -837,7 +856,8 @@ class DaemonMetrics:
         streak = int(streak_fn()) if callable(streak_fn) else restarts
         return JobView.from_snapshot(r.name, snap, kind=kind, state=state, restarts=restarts,
                                      max_restarts=max_r, restart_streak=streak,
-                                     incidents=self._incident_counts(r, db))
+                                     incidents=self._incident_counts(r, db),
+                                     watch_warnings=len(getattr(r, "watch_warnings", ()) or ()))
 
     def _incident_counts(self, r: Any, db: Any) -> dict[str, int]:
         """By kind, from the state database; re-read when a new incident opens (every new one

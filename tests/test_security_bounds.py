@@ -133,3 +133,132 @@ def test_a_trickled_request_is_cut_off_after_the_read_timeout() -> None:
         big.close()
     finally:
         srv.close()
+
+
+# ------------------------------------------------------------- #12 names that are not UTF-8
+
+
+def test_an_output_name_that_is_not_utf8_is_judged_with_every_rule(tmp_path) -> None:
+    from stallwatch import diagnose
+    from stallwatch.collector import Collector
+    from stallwatch.engine import Evaluator
+    from stallwatch.features import features
+    from stallwatch.targets import Target
+
+    out = tmp_path / "out"
+    out.mkdir()
+    # What a job's user can name a file: bytes that decode to nothing.
+    fd = os.open(os.fsencode(out) + b"/shard-\xff\xfe.bin", os.O_CREAT | os.O_WRONLY, 0o600)
+    os.write(fd, b"x" * 10)
+    os.close(fd)
+    c = Collector(Target(name="j", pids=(os.getpid(),), outputs=out), gpu=False,
+                  use_inotify=False)
+    try:
+        snap = c.tick()
+    finally:
+        c.close()
+    v = features(snap)
+    ev = Evaluator(diagnose.load(None)).evaluate(v, snap.t_mono)
+    assert ev.errors == (), ev.errors
+    from stallwatch.engine.expr import Vars, compile_expr
+
+    assert compile_expr("outputs.newest").evaluate(Vars(v)) == "shard-\\xff\\xfe.bin"
+
+
+def test_variables_cel_refuses_are_an_evaluation_error_not_an_exception() -> None:
+    from stallwatch import diagnose
+    from stallwatch.engine import Evaluator
+
+    ev = Evaluator(diagnose.load(None)).evaluate({"job": {"x": object()}}, 1.0)
+    assert ev.verdict.kind == "unknown"
+    assert [(e.rule, e.where) for e in ev.errors] == [("*", "variables")]
+
+
+def test_a_rule_failing_every_tick_becomes_a_warning(caplog) -> None:
+    import logging
+
+    from stallwatch.daemon.watchwarn import FAILING_TICKS, WatchWarnings
+    from stallwatch.engine.alerting import EvalError
+
+    w = WatchWarnings("victim")
+    err = [EvalError(rule="hang", where="condition", error="no such key 'x'")]
+    with caplog.at_level(logging.WARNING, logger="stallwatch.daemon"):
+        seen = [w.update(err, None, float(t)) for t in range(FAILING_TICKS + 2)]
+    assert seen[FAILING_TICKS - 2] == []  # a hiccup is not a warning
+    assert "rule hang fails on every tick" in seen[FAILING_TICKS - 1][0]
+    assert "not judged by it" in seen[-1][0]
+    logged = [r for r in caplog.records if "rule hang fails" in r.getMessage()]
+    assert len(logged) == 1  # once, not every tick
+    assert w.update([], None, 99.0) == []  # evaluates again: the warning is gone
+
+
+# ------------------------------------------------------------------ #9 a tree too wide, #10
+
+
+def _wait(pred, timeout: float = 20.0, what: str = ""):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class _Pids:
+    def __init__(self, pids=(), match=None):
+        self.pids, self.match = tuple(pids), match
+
+
+def test_a_tree_past_the_caps_is_watched_in_part_said_so_and_its_exits_still_seen() -> None:
+    import subprocess
+
+    from stallwatch.daemon.watchwarn import width_warning
+    from stallwatch.probes.processes import ProcessesProbe
+
+    job = subprocess.Popen(["bash", "-c", "for i in $(seq 30); do sleep 300 & done; wait"])
+    try:
+        probe = ProcessesProbe(_Pids([job.pid]), max_processes=10)
+        obs = _wait(lambda: (o := probe.collect()).tree_processes == 31 and o, what="31 tasks")
+        assert obs.truncated == "more than max_processes = 10"
+        assert obs.watched_processes == len(obs.processes) == 10
+        assert obs.processes[0].pid == job.pid  # the target is always among those examined
+        assert "too wide to watch fully" in width_warning(obs)
+        seen = {p.pid for p in obs.processes}
+        kids = [int(p) for p in open(f"/proc/{job.pid}/task/{job.pid}/children").read().split()]
+        victim = next(k for k in kids if k not in seen)
+        os.kill(victim, 9)
+        obs = _wait(lambda: (o := probe.collect()).exited and o, what="the exit")
+        assert [(e.pid, e.comm) for e in obs.exited] == [(victim, "sleep")]
+        # A time budget stops examination early too, and says which limit it was.
+        tight = ProcessesProbe(_Pids([job.pid]), budget_s=0.0)
+        o = tight.collect()
+        assert "time budget" in o.truncated and o.watched_processes >= 1
+        # Within the caps: watched fully, no warning.
+        full = ProcessesProbe(_Pids([job.pid]))
+        assert full.collect().truncated == "" and width_warning(full.collect()) is None
+    finally:
+        for k in [int(p) for p in open(f"/proc/{job.pid}/task/{job.pid}/children").read().split()]:
+            os.kill(k, 9)
+        job.wait(timeout=20)
+
+
+def test_match_adopts_only_processes_of_the_jobs_user() -> None:
+    import subprocess
+
+    from stallwatch.probes.processes import ProcessesProbe
+
+    marker = f"sec-bounds-decoy-{os.getpid()}"
+    decoy = subprocess.Popen(["bash", "-c", f"exec -a {marker} sleep 300"])
+    try:
+        _wait(lambda: marker.encode() in open(f"/proc/{decoy.pid}/cmdline", "rb").read(),
+              what="the exec")
+        other_uid = os.getuid() + 1 if os.getuid() != 65534 else 0
+        mine = ProcessesProbe(_Pids(match=marker), match_uid=os.getuid()).collect()
+        theirs = ProcessesProbe(_Pids(match=marker), match_uid=other_uid).collect()
+        anyone = ProcessesProbe(_Pids(match=marker)).collect()
+        assert mine.targets == (decoy.pid,) and anyone.targets == (decoy.pid,)
+        assert theirs.targets == ()
+    finally:
+        decoy.kill()
+        decoy.wait(timeout=20)

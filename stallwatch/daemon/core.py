@@ -249,7 +249,8 @@ class Daemon:
 
     def tick(self) -> None:
         t0 = self.clock.monotonic()
-        for runner in list(self.jobs.values()):
+        for runner in self._tick_order():
+            t_job = self.clock.monotonic()
             try:
                 runner.tick()
             except Exception as e:  # noqa: BLE001 - one job's bug must not stop the others' watch
@@ -257,6 +258,7 @@ class Daemon:
                 self._tick_failed(runner.name, e)
             else:
                 self._job_errors.pop(runner.name, None)
+            runner.last_tick_s = self.clock.monotonic() - t_job
         if self.db is not None and self.db.degraded:
             now = self.clock.monotonic()
             if now - self._write_back_at >= 10.0:
@@ -288,6 +290,14 @@ class Daemon:
         else:
             self.notifier.status(status)
         self._update_metrics(dur)
+
+    def _tick_order(self) -> list[JobRunner]:
+        """Jobs whose last tick overran job_tick_deadline_s go last: a job's user who grows a
+        tree wide enough to slow its watch delays that job's detection, never another's
+        (issue 22 #9). The order is otherwise the config's."""
+        limit = self.config.daemon.job_tick_deadline_s
+        return sorted(self.jobs.values(),
+                      key=lambda r: (getattr(r, "last_tick_s", None) or 0.0) > limit)
 
     def _tick_failed(self, name: str, e: Exception) -> None:
         """The traceback once; the same error again only as a line a minute, with a count."""

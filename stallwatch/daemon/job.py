@@ -35,6 +35,7 @@ from stallwatch.daemon.recovery import Recovery, candidates_from, run_in_thread
 from stallwatch.daemon.supervise import (SpawnError, find_wrapper, identity_alive,
                                          identity_exists, proc_state, read_status,
                                          resolve_user, spawn, status_authentic, use_systemd_run)
+from stallwatch.daemon.watchwarn import WatchWarnings, job_uid, with_width_evidence
 from stallwatch.engine import Evaluator, RuleSet
 from stallwatch.engine.alerting import AlertState, Evaluation, Verdict
 from stallwatch.features import features
@@ -94,6 +95,9 @@ class JobRunner:
         self._pid_file_refused = ""
         self.dry_run_done: set[int] = set()  # incidents a dry run already walked through
         self._slurm_ask: tuple[int, Any] | None = None  # (run id, Future of its JobState)
+        self._watch = WatchWarnings(self.name)
+        self.watch_warnings: list[str] = []  # rules failing tick after tick, a too-wide tree
+        self.last_tick_s: float | None = None  # how long its previous tick took (the daemon's)
 
     # ------------------------------------------------------------------------------ helpers
 
@@ -212,6 +216,7 @@ class JobRunner:
         self.collector = Collector(self._target(pids), clock=self.clock,
                                    deadline_s=self.daemon_cfg.probe_deadline_s,
                                    gpu=self.daemon.gpu_enabled)
+        self.collector.processes = self._processes_probe(self.collector.target)
         row = self.db.job(self.name)
         boot = self.daemon.boot_id
         if row and row.get("kmsg_cursor") is not None and row.get("kmsg_boot_id") == boot:
@@ -222,15 +227,22 @@ class JobRunner:
                 pass
             self.collector.kernel = KernelLogProbe(clock=self.clock, cursor=row["kmsg_cursor"])
 
-    def set_target(self, pid: int, start_ticks: int) -> None:
-        """Watch (pid, start_ticks) from now on; a new run gets a fresh processes probe."""
+    def _processes_probe(self, target: Any, **kw: Any) -> Any:
+        """The job's processes probe, bounded (issue 22 #9, #10): the caps of its config, half
+        its tick deadline to examine the tree, and --match limited to its user when known."""
         from stallwatch.probes.processes import ProcessesProbe
 
+        return ProcessesProbe(target, clock=self.clock, max_processes=self.cfg.max_processes,
+                              max_job_threads=self.cfg.max_threads,
+                              budget_s=self.daemon_cfg.job_tick_deadline_s / 2,
+                              match_uid=job_uid(self.cfg), **kw)
+
+    def set_target(self, pid: int, start_ticks: int) -> None:
+        """Watch (pid, start_ticks) from now on; a new run gets a fresh processes probe."""
         self._ensure_collector()
         target = self._target((pid,))
         self.collector.target = target
-        self.collector.processes = ProcessesProbe(target, clock=self.clock,
-                                                  known_starts={pid: start_ticks})
+        self.collector.processes = self._processes_probe(target, known_starts={pid: start_ticks})
         self.exit_noted = False
         self.exit_rc = None
         self.synthetic = None
@@ -267,12 +279,10 @@ class JobRunner:
 
     def _forget_processes(self) -> None:
         """A new run starts: the old run's processes and exits are history, not this run's."""
-        from stallwatch.probes.processes import ProcessesProbe
-
         if self.collector is not None and self.cfg.supervised:
             target = self._target(())
             self.collector.target = target
-            self.collector.processes = ProcessesProbe(target, clock=self.clock)
+            self.collector.processes = self._processes_probe(target)
             if self.collector.log is not None:
                 self.collector.log.new_run()
 
@@ -687,7 +697,10 @@ class JobRunner:
             self.last_alive_snap = snap
         for e in ev.errors:
             log.debug("job %s: rule %s: %s: %s", self.name, e.rule, e.where, e.error)
-        verdict = ev.verdict
+        self.watch_warnings = self._watch.update(ev.errors, snap.processes, snap.t_mono,
+                                                 self.last_tick_s,
+                                                 self.daemon_cfg.job_tick_deadline_s)
+        verdict = with_width_evidence(ev.verdict, snap.processes)
         if self.synthetic is not None and verdict.kind in ("unknown", "finished", "healthy"):
             verdict = self.synthetic
         self.verdict = verdict
@@ -738,7 +751,10 @@ class JobRunner:
         return True
 
     def _persist(self, snap: Any, verdict: Verdict) -> None:
-        fields: dict[str, Any] = {"verdict_json": json.dumps(verdict_doc(verdict, snap.t_wall)),
+        doc = verdict_doc(verdict, snap.t_wall)
+        if self.watch_warnings:
+            doc["watch_warnings"] = self.watch_warnings
+        fields: dict[str, Any] = {"verdict_json": json.dumps(doc),
                                   "verdict_at": snap.t_wall}
         if snap.kernel is not None and snap.kernel.cursor is not None:
             fields["kmsg_cursor"] = snap.kernel.cursor

@@ -65,6 +65,7 @@ def status_doc(db: StateDB, state_dir: Path, job_names: list[str] | None = None,
         except ValueError:
             verdict = None
         verdict = verdict or {"kind": "unknown", "summary": "not observed yet"}
+        watch_warnings = verdict.pop("watch_warnings", None) or []
         try:
             cfg = json.loads(row["config_json"])
         except ValueError:
@@ -103,6 +104,9 @@ def status_doc(db: StateDB, state_dir: Path, job_names: list[str] | None = None,
             "open_incidents": sum(1 for i in incidents if i["state"] == "open"),
             "last_exit": last_exit,
             "configured": job_names is None or name in job_names,
+            # What keeps this job from being judged fully: rules failing tick after tick, a tree
+            # too wide to watch (daemon/watchwarn.py).
+            "watch_warnings": watch_warnings,
         }
         if not supervised:
             doc["note"] = (f"attached by {row['mode']}: stallwatch did not start this job and "
@@ -201,6 +205,7 @@ def _when(ts: float | None) -> str:
 
 
 def render_status(doc: dict[str, Any], console) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     d = doc["daemon"]
@@ -225,6 +230,9 @@ def render_status(doc: dict[str, Any], console) -> None:
                                                      if j.get("phase_detail") else "")
                   + (f"\nlast exit: {j['last_exit']['text']}" if j.get("last_exit") else ""))
     console.print(t)
+    for j in doc["jobs"]:
+        for w in j.get("watch_warnings") or ():
+            console.print(f"[yellow]{escape(j['name'])}: warning:[/] {escape(w)}")
     for j in doc["jobs"]:
         for inc in j["incidents"][-5:]:
             end = "open" if inc["resolved_at"] is None else f"resolved {_when(inc['resolved_at'])}"

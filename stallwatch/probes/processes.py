@@ -176,6 +176,12 @@ class ProcessesObs(Frozen):
     reused: tuple[int, ...] = ()  # explicit pids now held by another process (not the job)
     zombies: tuple[int, ...] = ()
     denied: tuple[str, ...] = ()  # signals this tick could not read, e.g. ("stack", "io")
+    # The tree is the job's user's to grow: past the caps or the time budget its processes are
+    # counted and their exits seen, but not examined (issue 22 #9). "" when watched fully.
+    truncated: str = ""
+    tree_processes: int = 0  # processes in the job's tree (targets and descendants)
+    watched_processes: int = 0  # of those, examined this tick (the rest: beyond the caps)
+    watched_threads: int = 0
 
 
 # -------------------------------------------------------------------------------- probe state
@@ -261,6 +267,58 @@ class _Tick:
     sched: dict[tuple[int, int], bytes | None] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class _Caps:
+    """How much of one job's tree a tick examines: at most `processes` processes and `threads`
+    threads in all (a process's own `max_threads` still applies), within `budget_s` seconds of
+    the tick's start (None: no time budget). Targets come first in the tree's order, so the
+    job's own processes are always among those examined."""
+
+    processes: int
+    threads: int
+    budget_s: float | None
+
+    def start(self, now: float) -> _Budget:
+        return _Budget(self, now)
+
+
+@dataclass(slots=True)
+class _Budget:
+    caps: _Caps
+    t0: float
+    processes: int = 0
+    threads: int = 0
+    reason: str = ""  # why the tick stopped examining: the first cap it hit
+
+    def admit(self, num_threads: int, per_process: int, now: float, target: bool) -> int:
+        """How many threads of the next process to examine; 0: none, it is past a cap. The
+        job's own processes (targets) are examined whatever the time spent."""
+        c = self.caps
+        if self.reason:
+            return 0
+        if self.processes >= c.processes:
+            self.reason = f"more than max_processes = {c.processes}"
+        elif self.threads >= c.threads:
+            self.reason = f"more than max_threads = {c.threads} in all"
+        elif not target and c.budget_s is not None and now - self.t0 > c.budget_s:
+            self.reason = f"the processes probe's time budget ({c.budget_s:g} s) spent"
+        if self.reason:
+            return 0
+        self.processes += 1
+        return max(1, min(per_process, c.threads - self.threads, max(num_threads, 1)))
+
+    def used(self, threads: int) -> None:
+        self.threads += threads
+
+
+def uid_of(roots: Roots, pid: int) -> int | None:
+    """A process's real uid (the first Uid field of its status); None when unreadable."""
+    try:
+        return procfs.parse_status(roots.read_text(f"{os.fspath(roots.proc)}/{pid}/status")).uid
+    except (Absent, Denied, ValueError, KeyError, IndexError):
+        return None
+
+
 # ---------------------------------------------------------------------------------------- probe
 
 
@@ -283,6 +341,10 @@ class ProcessesProbe:
         syscall_table: Mapping[int, str] | None = None,
         exit_memory_s: float = 600.0,
         max_exits: int = 64,
+        max_processes: int = 1024,
+        max_job_threads: int = 8192,
+        budget_s: float | None = None,
+        match_uid: int | None = None,
     ) -> None:
         """known_starts pins explicit pids to a start time (a re-attaching daemon knows it), so a
         reused pid is never adopted. self_pid is excluded from --match, with its ancestors (the
@@ -298,6 +360,13 @@ class ProcessesProbe:
         self.max_open_files, self.read_stacks = max_open_files, read_stacks
         self.max_threads, self.max_fds_scanned = max_threads, max_fds_scanned
         self.exit_memory_s, self.max_exits = exit_memory_s, max_exits
+        # Bounds on one job's tree, so that a user who forks thousands of tasks slows only the
+        # watch of their own job: see _Caps.
+        self.caps = _Caps(max_processes, max_job_threads, budget_s)
+        self._wide = False  # the last tick hit a cap: scan /proc, not the per-thread lists
+        # --match adopts only processes of this real uid when set: another user's decoy that
+        # matches the pattern must not stand in for the job (issue 22 #10).
+        self.match_uid = match_uid
         self._explicit = tuple(dict.fromkeys(int(p) for p in targets.pids))
         self._match = re.compile(targets.match) if targets.match else None
         if self_pid is None and Path(roots.proc) == Path("/proc"):
@@ -365,11 +434,22 @@ class ProcessesProbe:
         tree = self._tree(seeds, stats, exclude=self._self_pid)
 
         observed, members = [], {}
+        budget = self.caps.start(self.clock.monotonic())
         for pid in tree:
             st = stats[pid]
             key = (pid, st.start_ticks)
             role: Role = "target" if self._job.get(pid) == st.start_ticks else "descendant"
-            obs = self._process(st, role, tick)
+            threads = budget.admit(st.num_threads, self.max_threads, self.clock.monotonic(),
+                                   role == "target")
+            if threads == 0:
+                # Beyond the caps: what the stat line says is all this tick learns of it, and
+                # enough to see it exit.
+                members[key] = _Member(role=role, comm=st.comm, state=st.state,
+                                       cmdline=self._cached_cmdline(pid, st),
+                                       start_time=self._start_time(st.start_ticks))
+                continue
+            obs = self._process(st, role, tick, threads)
+            budget.used(len(obs.threads) if obs is not None else 0)
             if obs is not None:
                 observed.append(obs)
                 members[key] = _Member(role=role, comm=obs.comm, cmdline=obs.cmdline,
@@ -378,6 +458,7 @@ class ProcessesProbe:
             else:
                 # It died while we read it: keep it so the next tick reports the exit.
                 members[key] = self._members.get(key) or _Member(role=role, comm=st.comm)
+        self._wide = bool(budget.reason)
         observed = self._torchrun(observed)
         self._notice_exits(members, tick.now)
         self._members = members
@@ -395,6 +476,8 @@ class ProcessesProbe:
                          if p in self._job and p in stats and stats[p].start_ticks != self._job[p]),
             zombies=tuple(o.pid for o in observed if o.state == "Z"),
             denied=tuple(sorted(tick.denied)),
+            truncated=budget.reason, tree_processes=len(tree),
+            watched_processes=len(observed), watched_threads=budget.threads,
         )
 
     def _torchrun(self, observed: list[ProcessObs]) -> list[ProcessObs]:
@@ -431,7 +514,10 @@ class ProcessesProbe:
 
     def _scan(self, tick: _Tick) -> dict[int, procfs.Stat]:
         now = self.clock.monotonic()
-        if (self._match is None and not self._first_collect and self._children_readable()
+        # A tree past the caps costs less through one stat per host process than through the
+        # `children` list of each of its threads.
+        if (self._match is None and not self._first_collect and not self._wide
+                and self._children_readable()
                 and self._full_scan_at is not None and now - self._full_scan_at < self.FULL_SCAN_EVERY_S):
             stats = self._scan_tree(tick)
             if stats is not None:
@@ -580,9 +666,14 @@ class ProcessesProbe:
                 if pid == 2 or st.ppid == 2:
                     continue  # kthreadd and kernel threads have no command line
                 argv = self._argv(pid, st)
-                if argv and self._match.search(" ".join(argv)):
+                if argv and self._match.search(" ".join(argv)) and self._users(pid):
                     self._job[pid] = st.start_ticks
         return [(p, s) for p, s in self._job.items() if p in stats and stats[p].start_ticks == s]
+
+    def _users(self, pid: int) -> bool:
+        """Whether a --match candidate belongs to the job's user (any process when unknown).
+        Read after the pattern matched: a status read per candidate, not per host process."""
+        return self.match_uid is None or uid_of(self.roots, pid) == self.match_uid
 
     def _ancestry(self, stats: dict[int, procfs.Stat]) -> set[int]:
         out, pid = set(), self._self_pid
@@ -626,6 +717,10 @@ class ProcessesProbe:
                 self._cmdlines[key] = argv
         return argv
 
+    def _cached_cmdline(self, pid: int, st: procfs.Stat) -> str | None:
+        argv = self._cmdlines.get((pid, st.start_ticks, st.comm))
+        return " ".join(argv) if argv else None
+
     # ------------------------------------------------------------------------------ processes
 
     def _start_time(self, start_ticks: int) -> float:
@@ -655,8 +750,10 @@ class ProcessesProbe:
         interval, cpu_delta = tr.step(now, state, ctx, cpu)
         return tr, interval, cpu_delta
 
-    def _process(self, st: procfs.Stat, role: Role, tick: _Tick) -> ProcessObs | None:
+    def _process(self, st: procfs.Stat, role: Role, tick: _Tick,
+                 max_threads: int | None = None) -> ProcessObs | None:
         pid, now, d = st.pid, tick.now, self._pd(st.pid)
+        limit = self.max_threads if max_threads is None else max_threads
         tids, listed = tick.tids.get(pid), pid in tick.tids
         if tids is None:
             tids = self._cached_tids(st)
@@ -665,13 +762,13 @@ class ProcessesProbe:
                 tids, listed = self._list_tids(st), True
             fds = self._fds(pid, tick)
             threads = [t for t in (self._thread(pid, tid, fds, tick)
-                                   for tid in tids[:self.max_threads]) if t is not None]
-            if not listed and len(threads) < min(len(tids), self.max_threads):
+                                   for tid in tids[:limit]) if t is not None]
+            if not listed and len(threads) < min(len(tids), limit):
                 # A remembered thread is gone: the list changed under an unchanged count.
                 tids = self._list_tids(st)
                 done = {t.tid for t in threads}
                 threads += [t for t in (self._thread(pid, tid, fds, tick)
-                                        for tid in tids[:self.max_threads] if tid not in done)
+                                        for tid in tids[:limit] if tid not in done)
                             if t is not None]
                 threads.sort(key=lambda t: t.tid)
         except (Absent, Denied):
@@ -722,7 +819,7 @@ class ProcessesProbe:
             io_unchanged_for_s=io_unchanged,
             num_fds=None if fds is None else len(fds),
             open_files=files, open_files_truncated=truncated, tcp=sockets, exit_code=exit_code,
-            threads=tuple(threads), threads_truncated=len(tids) > self.max_threads,
+            threads=tuple(threads), threads_truncated=len(tids) > limit,
         )
 
     def _thread(self, pid: int, tid: int, fds: dict[int, str] | None,
