@@ -86,10 +86,11 @@ class DaemonConfig(_Strict):
     evidence: bool = True  # capture an evidence bundle on every incident
     evidence_timeout_s: float = 20.0  # a kill waits this long at most for the bundle
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    # One job's share of a tick (issue 22 #9): its processes probe examines the tree for at most
-    # half of this, and a job whose tick took longer is ticked after the others next time, so a
-    # user who grows a huge tree delays the watch of their own job, not another's.
-    job_tick_deadline_s: float = 2.0
+    # One job's share of a tick (issue 22 #9; a job's tick is ~10 ms, docs/performance.md): its
+    # processes probe examines the tree for at most half of this, and a job whose tick took
+    # longer is ticked less often and after the others (daemon/core.py), so a user who grows a
+    # huge tree slows the watch of their own job, not another's.
+    job_tick_deadline_s: float = 0.5
 
     @field_validator("interval_s", "tick_deadline_s", "probe_deadline_s", "evidence_timeout_s",
                      "job_tick_deadline_s", mode="before")

@@ -262,3 +262,21 @@ def test_match_adopts_only_processes_of_the_jobs_user() -> None:
     finally:
         decoy.kill()
         decoy.wait(timeout=20)
+
+
+def test_a_job_over_its_tick_deadline_is_ticked_less_often_and_last() -> None:
+    from types import SimpleNamespace
+
+    from stallwatch.daemon.core import Daemon
+
+    cfg = SimpleNamespace(daemon=SimpleNamespace(job_tick_deadline_s=0.5))
+    wide, victim = SimpleNamespace(name="wide"), SimpleNamespace(name="victim")
+    d = SimpleNamespace(config=cfg, jobs={"wide": wide, "victim": victim},
+                        OVERRUN_SPACING=Daemon.OVERRUN_SPACING)
+    assert Daemon._due_jobs(d, 0.0) == [wide, victim]  # the config's order
+    Daemon._spaced(d, wide, 0.0, 1.2)  # 1.2 s: over the 0.5 s deadline
+    Daemon._spaced(d, victim, 1.2, 1.21)
+    assert Daemon._due_jobs(d, 1.4) == [victim]  # the others keep their cadence
+    assert Daemon._due_jobs(d, 1.2 + 4 * 1.2 + 0.01) == [victim, wide]  # then it, last
+    Daemon._spaced(d, wide, 10.0, 10.1)  # back within its deadline: every tick again
+    assert Daemon._due_jobs(d, 10.2) == [wide, victim]

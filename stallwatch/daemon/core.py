@@ -249,7 +249,7 @@ class Daemon:
 
     def tick(self) -> None:
         t0 = self.clock.monotonic()
-        for runner in self._tick_order():
+        for runner in self._due_jobs(t0):
             t_job = self.clock.monotonic()
             try:
                 runner.tick()
@@ -258,7 +258,7 @@ class Daemon:
                 self._tick_failed(runner.name, e)
             else:
                 self._job_errors.pop(runner.name, None)
-            runner.last_tick_s = self.clock.monotonic() - t_job
+            self._spaced(runner, t_job, self.clock.monotonic())
         if self.db is not None and self.db.degraded:
             now = self.clock.monotonic()
             if now - self._write_back_at >= 10.0:
@@ -291,13 +291,24 @@ class Daemon:
             self.notifier.status(status)
         self._update_metrics(dur)
 
-    def _tick_order(self) -> list[JobRunner]:
-        """Jobs whose last tick overran job_tick_deadline_s go last: a job's user who grows a
-        tree wide enough to slow its watch delays that job's detection, never another's
-        (issue 22 #9). The order is otherwise the config's."""
+    # A job whose tick overran job_tick_deadline_s waits this many times that tick's duration
+    # before its next one, so that it takes at most 1/(1 + OVERRUN_SPACING) of the daemon's
+    # time and every other job keeps its own cadence (issue 22 #9: a user's tree of 2,000
+    # processes made every tick last seconds, and another job's stall threshold, learned from
+    # its log's cadence as seen tick by tick, grew from 20 s to the 120 s default).
+    OVERRUN_SPACING = 4.0
+
+    def _due_jobs(self, now: float) -> list[JobRunner]:
+        """The jobs to tick now, the config's order, those that overran last."""
         limit = self.config.daemon.job_tick_deadline_s
-        return sorted(self.jobs.values(),
-                      key=lambda r: (getattr(r, "last_tick_s", None) or 0.0) > limit)
+        due = [r for r in self.jobs.values() if getattr(r, "next_due", 0.0) <= now]
+        return sorted(due, key=lambda r: (getattr(r, "last_tick_s", None) or 0.0) > limit)
+
+    def _spaced(self, runner: JobRunner, start: float, end: float) -> None:
+        took = end - start
+        runner.last_tick_s = took
+        over = took > self.config.daemon.job_tick_deadline_s
+        runner.next_due = end + self.OVERRUN_SPACING * took if over else 0.0
 
     def _tick_failed(self, name: str, e: Exception) -> None:
         """The traceback once; the same error again only as a line a minute, with a count."""

@@ -75,8 +75,9 @@ class WatchWarnings:
         if wide:
             out.append(wide)
         if last_tick_s is not None and deadline_s is not None and last_tick_s > deadline_s:
-            out.append(f"tick over its deadline: the last took {last_tick_s:.1f} s "
-                       f"(job_tick_deadline_s = {deadline_s:g}); ticked after the other jobs")
+            out.append(f"tick over its deadline: the last took {last_tick_s:.2f} s "
+                       f"(job_tick_deadline_s = {deadline_s:g}); ticked less often, after the "
+                       f"other jobs, so that they keep their cadence")
         self._log(out, now)
         return out
 
