@@ -270,7 +270,9 @@ def test_a_job_over_its_tick_deadline_is_ticked_less_often_and_last() -> None:
     from stallwatch.daemon.core import Daemon
 
     cfg = SimpleNamespace(daemon=SimpleNamespace(job_tick_deadline_s=0.5))
-    wide, victim = SimpleNamespace(name="wide"), SimpleNamespace(name="victim")
+    too_wide = SimpleNamespace(processes=SimpleNamespace(truncated="more than max_processes"))
+    wide = SimpleNamespace(name="wide", last_snap=too_wide)
+    victim = SimpleNamespace(name="victim", last_snap=None)
     d = SimpleNamespace(config=cfg, jobs={"wide": wide, "victim": victim},
                         OVERRUN_SPACING=Daemon.OVERRUN_SPACING)
     assert Daemon._due_jobs(d, 0.0) == [wide, victim]  # the config's order
@@ -280,3 +282,8 @@ def test_a_job_over_its_tick_deadline_is_ticked_less_often_and_last() -> None:
     assert Daemon._due_jobs(d, 1.2 + 4 * 1.2 + 0.01) == [victim, wide]  # then it, last
     Daemon._spaced(d, wide, 10.0, 10.1)  # back within its deadline: every tick again
     assert Daemon._due_jobs(d, 10.2) == [wide, victim]
+    # A job that is not too wide, slow once (a loaded machine), keeps its cadence; slow three
+    # times in a row, it is spaced too.
+    for n, t in enumerate((20.0, 21.0, 22.0)):
+        Daemon._spaced(d, victim, t, t + 0.8)
+        assert (victim in Daemon._due_jobs(d, t + 0.9)) == (n < 2)

@@ -305,10 +305,16 @@ class Daemon:
         return sorted(due, key=lambda r: (getattr(r, "last_tick_s", None) or 0.0) > limit)
 
     def _spaced(self, runner: JobRunner, start: float, end: float) -> None:
+        """After a job's tick: over its deadline because its tree is too wide, or three ticks in
+        a row (one slow tick on a loaded machine is nobody's doing), it waits before the next."""
         took = end - start
         runner.last_tick_s = took
         over = took > self.config.daemon.job_tick_deadline_s
-        runner.next_due = end + self.OVERRUN_SPACING * took if over else 0.0
+        runner.overruns = getattr(runner, "overruns", 0) + 1 if over else 0
+        snap = getattr(runner, "last_snap", None)
+        wide = bool(getattr(getattr(snap, "processes", None), "truncated", ""))
+        spaced = over and (wide or runner.overruns >= 3)
+        runner.next_due = end + self.OVERRUN_SPACING * took if spaced else 0.0
 
     def _tick_failed(self, name: str, e: Exception) -> None:
         """The traceback once; the same error again only as a line a minute, with a count."""

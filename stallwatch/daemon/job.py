@@ -99,6 +99,7 @@ class JobRunner:
         self.watch_warnings: list[str] = []  # rules failing tick after tick, a too-wide tree
         self.last_tick_s: float | None = None  # how long its previous tick took (the daemon's)
         self.next_due = 0.0  # monotonic; later than now after a tick over its deadline (core)
+        self.overruns = 0  # ticks over the deadline in a row
 
     # ------------------------------------------------------------------------------ helpers
 
