@@ -275,17 +275,22 @@ def memory_cgroup(limit_bytes: int) -> Iterator[Path]:
                 (cg / fname).write_text(str(value))
         yield cg
     finally:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                cg.rmdir()
-                break
-            except FileNotFoundError:
-                break
-            except OSError:  # EBUSY until the killed task is fully gone
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        rmdir_cgroup(cg)
+
+
+def rmdir_cgroup(cg: Path, timeout_s: float = 10.0) -> None:
+    """Remove a cgroup whose tasks are being killed: EBUSY until the last one is fully gone."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            cg.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 @contextmanager

@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from attackrig import ATTACKER, MODES, OTHER, AttackRig
+from attackrig import MODES, OTHER, AttackRig
+from faultrigs import rmdir_cgroup
 from test_alerts_http import Receiver
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
 IDLE_CONNECTIONS = 400
 WIDE_PROCS, WIDE_THREADS = 2000, 5
 HEADROOM_TASKS = 60  # the pids limit: the daemon's tasks once it runs, plus this
@@ -75,17 +75,7 @@ def pids_cgroup(name: str) -> Iterator[Path]:
                 (root / "cgroup.procs").write_text(pid)
             except OSError:
                 pass
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                cg.rmdir()
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        rmdir_cgroup(cg)
 
 
 class BoundsRig(AttackRig):

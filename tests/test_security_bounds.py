@@ -216,12 +216,12 @@ def test_a_tree_past_the_caps_is_watched_in_part_said_so_and_its_exits_still_see
     from stallwatch.daemon.watchwarn import width_warning
     from stallwatch.probes.processes import ProcessesProbe
 
-    job = subprocess.Popen(["bash", "-c", "for i in $(seq 30); do sleep 300 & done; wait"])
+    job = subprocess.Popen(["bash", "-c", "for i in {1..30}; do sleep 300 & done; wait"])
     try:
         probe = ProcessesProbe(_Pids([job.pid]), max_processes=10)
         obs = _wait(lambda: (o := probe.collect()).tree_processes == 31 and o, what="31 tasks")
-        assert obs.truncated == "more than max_processes = 10"
-        assert obs.watched_processes == len(obs.processes) == 10
+        assert obs.truncated == "more than max_processes = 10", obs.truncated
+        assert obs.watched_processes == len(obs.processes) == 10, obs.watched_processes
         assert obs.processes[0].pid == job.pid  # the target is always among those examined
         assert "too wide to watch fully" in width_warning(obs)
         seen = {p.pid for p in obs.processes}
@@ -229,14 +229,15 @@ def test_a_tree_past_the_caps_is_watched_in_part_said_so_and_its_exits_still_see
         victim = next(k for k in kids if k not in seen)
         os.kill(victim, 9)
         obs = _wait(lambda: (o := probe.collect()).exited and o, what="the exit")
-        assert [(e.pid, e.comm) for e in obs.exited] == [(victim, "sleep")]
+        assert [(e.pid, e.comm) for e in obs.exited] == [(victim, "sleep")], obs.exited
         # A time budget stops examination early too, and says which limit it was.
         tight = ProcessesProbe(_Pids([job.pid]), budget_s=0.0)
         o = tight.collect()
-        assert "time budget" in o.truncated and o.watched_processes >= 1
+        assert "time budget" in o.truncated and o.watched_processes >= 1, o.truncated
         # Within the caps: watched fully, no warning.
         full = ProcessesProbe(_Pids([job.pid]))
-        assert full.collect().truncated == "" and width_warning(full.collect()) is None
+        o = full.collect()
+        assert o.truncated == "" and width_warning(o) is None, o.truncated
     finally:
         for k in [int(p) for p in open(f"/proc/{job.pid}/task/{job.pid}/children").read().split()]:
             os.kill(k, 9)
