@@ -58,22 +58,31 @@ def load(paths: Iterable[str | Path] | None = None) -> RuleSet:
 
 def observe(collector, window_s: float, clock: Clock = SYSTEM_CLOCK,
             rules: RuleSet | None = None) -> tuple[Snapshot, Evaluation, dict[str, Any]]:
-    """Tick for `window_s` seconds (at least twice, so rates and deltas exist)."""
+    """Tick for `window_s` seconds (at least twice, two intervals apart, so rates and deltas
+    exist)."""
     ev = Evaluator(rules or load(), ignore_for=True)
     interval = max(0.2, min(1.0, window_s / 4))
     t_end = clock.monotonic() + window_s
     server = getattr(collector, "server", None)
+    # Deltas (CPU, the run queue) need ticks that span a real stretch: two intervals. A loaded
+    # node may spend most of the window on one tick; then the window stretches, by an interval
+    # at a time, until they do.
+    min_span_s = min(window_s, 2 * interval)
+    first: float | None = None
     while True:
         snap = collector.tick()
+        first = snap.t_mono if first is None else first
         v = features(snap)
         evaluation = ev.evaluate(v, snap.t_mono)
         remaining = t_end - clock.monotonic()
-        if remaining <= 0:
+        if remaining <= 0 and snap.t_mono - first >= min_span_s:
             return snap, evaluation, v
+        now = clock.monotonic()
+        until = now + interval if remaining <= 0 else min(now + interval, t_end)
         if server is not None:
             # A health check takes up to 20 s on a busy server: wait for it inside the window.
-            server.wait_health(min(remaining, interval))
-        time.sleep(max(0.0, min(interval, t_end - clock.monotonic())))
+            server.wait_health(max(0.0, until - clock.monotonic()))
+        time.sleep(max(0.0, until - clock.monotonic()))
 
 
 def exit_code(kind: str, warnings: int) -> int:

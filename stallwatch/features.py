@@ -77,7 +77,8 @@ def stall_threshold_s(snap: Snapshot) -> tuple[float, str]:
             low, why = STALL_DEFAULT_S, "default"
         if t < low:
             return min(low, STALL_CEILING_S), f"{why} ({c.samples} intervals are too few to trust {t:.3g} s)"
-    why = f"5 × p90 {c.p90_s:.3g} s, 2 × max {c.max_s:.3g} s of {c.samples} intervals{_CADENCE_FROM[c.source]}"
+    why = (f"5 × p90 {c.p90_s:.3g} s, 2 × max {c.max_s:.3g} s of {c.samples} intervals"
+           f"{_CADENCE_FROM[c.source]}")
     if c.last_outlier_s is not None and c.last_outlier_s > c.max_s:
         why += f"; {c.outliers} longer gap(s) left out (last {c.last_outlier_s:.3g} s: a one-off)"
     return min(t, STALL_CEILING_S), why
@@ -299,8 +300,6 @@ def _proc(procs: list[ProcessObs], threads: list[tuple[ProcessObs, ThreadObs]]) 
 # A thread runnable in every sample of at least this long a stretch, never switching out by
 # itself, is spinning. Two samples at diagnose's 0.75 s interval; the daemon ticks slower.
 SPIN_MIN_S = 1.0
-SPIN_QUEUE_SHARE = 0.8  # on a CPU or waiting for one, of the wall time (schedstat; 1.0 exactly
-                        # in theory, less when our clock and the kernel's are read apart)
 
 
 def spinning(threads: list[tuple[ProcessObs, ThreadObs]]) -> list[dict[str, Any]]:
@@ -309,10 +308,11 @@ def spinning(threads: list[tuple[ProcessObs, ThreadObs]]) -> list[dict[str, Any]
     out = []
     for p, t in threads:
         rq = t.runqueue
+        # R in every sample and no voluntary switch (it never blocked) is the kernel's word that
+        # it never left the run queue; the schedstat shares are evidence, not a gate: they are
+        # timed against our clock, which a loaded node delays.
         if rq is None or rq.samples < 2 or rq.runnable_for_s < SPIN_MIN_S:
             continue
-        if rq.wait_share is not None and (rq.cpu_share or 0.0) + rq.wait_share < SPIN_QUEUE_SHARE:
-            continue  # schedstat says it was off the run queue part of the time
         cpu, wait = rq.cpu_share or 0.0, rq.wait_share
         user = rq.user_share
         out.append({

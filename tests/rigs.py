@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import select
 import shutil
@@ -387,3 +388,44 @@ def cpu_hogs(core: int, n: int = 1) -> Iterator[list[subprocess.Popen]]:
         for h in hogs:
             pin(h.pid, core)
         yield hogs
+
+
+# ------------------------------------------------------------------------- one-shot diagnosis
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Diagnosis:
+    argv: list[str]
+    rc: int
+    doc: dict
+    stderr: str
+    took_s: float
+
+    @property
+    def kind(self) -> str:
+        return self.doc["verdict"]["kind"]
+
+    def evidence(self, signal: str) -> list[str]:
+        return [e["detail"] for e in self.doc["verdict"].get("evidence", ()) if e["signal"] == signal]
+
+    def __str__(self) -> str:  # what an assertion failure shows
+        v = self.doc.get("verdict", {})
+        ev = "\n  ".join(f"{e['signal']}: {e['detail']}" for e in v.get("evidence", []))
+        return (f"rc {self.rc}, {v.get('kind')} ({v.get('rule')}): {v.get('summary')}\n  {ev}\n"
+                f"warnings: {self.doc.get('warnings')}\nstderr: {self.stderr[-2000:]}")
+
+
+def run_diagnose(args: list[str], timeout: float = 120) -> Diagnosis:
+    """`stallwatch diagnose --json ARGS` in a subprocess, as a user or a Nagios check runs it."""
+    argv = [sys.executable, "-m", "stallwatch", "diagnose", "--json", *args]
+    t0 = time.monotonic()
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                       check=False, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    took = time.monotonic() - t0
+    try:
+        doc = json.loads(r.stdout)
+    except ValueError:
+        doc = {"verdict": {"kind": None}, "stdout": r.stdout[-2000:]}
+    return Diagnosis(argv, r.returncode, doc, r.stderr, took)

@@ -13,23 +13,19 @@ one test (`-k deadlock`) starts only that rig.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import subprocess
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import faultrigs
 import pytest
-from rigs import RigUnavailable, wait_until
+from rigs import Diagnosis, RigUnavailable, run_diagnose, wait_until
 
-REPO = Path(__file__).resolve().parent.parent
 STUCK_S = 40.0  # how long each stall has lasted when diagnose first looks at it
 
 pytestmark = [
@@ -43,44 +39,13 @@ pytestmark = [
 # ------------------------------------------------------------------------------------ running
 
 
-@dataclass
-class Diagnosis:
-    argv: list[str]
-    rc: int
-    doc: dict
-    stderr: str
-    took_s: float
-
-    @property
-    def kind(self) -> str:
-        return self.doc["verdict"]["kind"]
-
-    def evidence(self, signal: str) -> list[str]:
-        return [e["detail"] for e in self.doc["verdict"]["evidence"] if e["signal"] == signal]
-
-    def __str__(self) -> str:  # what an assertion failure shows
-        v = self.doc.get("verdict", {})
-        ev = "\n  ".join(f"{e['signal']}: {e['detail']}" for e in v.get("evidence", []))
-        return (f"rc {self.rc}, {v.get('kind')} ({v.get('rule')}): {v.get('summary')}\n  {ev}\n"
-                f"warnings: {self.doc.get('warnings')}\nstderr: {self.stderr[-2000:]}")
-
-
 def diagnose(rig: faultrigs.Rig) -> Diagnosis:
     """`stallwatch diagnose --json` as a user would run it, with its default 3 s window (6 s
     with --server, which diagnose widens itself for /server_info's timeout)."""
-    argv = [sys.executable, "-m", "stallwatch", "diagnose", "--json", "--pid", str(rig.pid),
-            "--log", str(rig.log), "--outputs", str(rig.out)]
+    args = ["--pid", str(rig.pid), "--log", str(rig.log), "--outputs", str(rig.out)]
     if rig.server:
-        argv += ["--server", rig.server]
-    t0 = time.monotonic()
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO, check=False,
-                       env=dict(os.environ, PYTHONPATH=str(REPO)))
-    took = time.monotonic() - t0
-    try:
-        doc = json.loads(r.stdout)
-    except ValueError:
-        doc = {"verdict": {"kind": None}, "stdout": r.stdout[-2000:]}
-    return Diagnosis(argv, r.returncode, doc, r.stderr, took)
+        args += ["--server", rig.server]
+    return run_diagnose(args)
 
 
 def wait_stuck(rig: faultrigs.Rig, seconds: float = STUCK_S) -> float:

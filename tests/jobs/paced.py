@@ -19,9 +19,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import threading
 import time
 from datetime import datetime, timezone
+
+from pt_writer import deadlock  # two threads, two locks, the main thread joins: all asleep
 
 TOTAL = 1_000_000
 
@@ -52,23 +53,6 @@ def line_for(style: str, n: int, started: float) -> str:
         left = (TOTAL - n) / rate if rate else 0.0
         return f"\ritems:   0%|          | {n}/{TOTAL} [{_clock(elapsed)}<{_clock(left)}, {rate:.2f}it/s]"
     raise ValueError(style)
-
-
-def deadlock() -> None:
-    a, b = threading.Lock(), threading.Lock()
-    met = threading.Barrier(2)
-
-    def grab(first: threading.Lock, second: threading.Lock) -> None:
-        with first:
-            met.wait()
-            with second:
-                pass
-
-    ts = [threading.Thread(target=grab, args=(a, b)), threading.Thread(target=grab, args=(b, a))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
 
 
 def spin() -> None:
