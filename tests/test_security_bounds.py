@@ -190,6 +190,10 @@ def test_a_rule_failing_every_tick_becomes_a_warning(caplog) -> None:
     logged = [r for r in caplog.records if "rule hang fails" in r.getMessage()]
     assert len(logged) == 1  # once, not every tick
     assert w.update([], None, 99.0) == []  # evaluates again: the warning is gone
+    with caplog.at_level(logging.WARNING, logger="stallwatch.daemon"):
+        for t, took in ((100.0, 0.61), (101.0, 0.72), (102.0, 0.65)):
+            assert "tick over its deadline" in w.update([], None, t, took, 0.5)[0]
+    assert sum("tick over its deadline" in r.getMessage() for r in caplog.records) == 1
 
 
 # ------------------------------------------------------------------ #9 a tree too wide, #10

@@ -700,7 +700,7 @@ class JobRunner:
         for e in ev.errors:
             log.debug("job %s: rule %s: %s: %s", self.name, e.rule, e.where, e.error)
         self.watch_warnings = self._watch.update(ev.errors, snap.processes, snap.t_mono,
-                                                 self.last_tick_s,
+                                                 self.last_tick_s if self.next_due else None,
                                                  self.daemon_cfg.job_tick_deadline_s)
         verdict = with_width_evidence(ev.verdict, snap.processes)
         if self.synthetic is not None and verdict.kind in ("unknown", "finished", "healthy"):

@@ -66,29 +66,31 @@ class WatchWarnings:
 
     def update(self, errors: Iterable[Any], procs: Any, now: float,
                last_tick_s: float | None = None, deadline_s: float | None = None) -> list[str]:
+        """This tick's warnings. `last_tick_s`: the previous tick's duration when the daemon
+        spaced the job for it (daemon/core.py), else None."""
         failing: dict[tuple[str, str], str] = {(e.rule, e.where): e.error for e in errors}
         self._streaks = {k: self._streaks.get(k, 0) + 1 for k in failing}
-        out = [f"rule {rule} fails on every tick ({self._streaks[(rule, where)]} in a row, "
-               f"{where}): {failing[(rule, where)]}; the job is not judged by it"
+        # (key, text): the texts carry counts that change every tick; the key does not.
+        out = [(f"rule {rule} {where}",
+                f"rule {rule} fails on every tick ({self._streaks[(rule, where)]} in a row, "
+                f"{where}): {failing[(rule, where)]}; the job is not judged by it")
                for rule, where in failing if self._streaks[(rule, where)] >= FAILING_TICKS]
         wide = width_warning(procs)
         if wide:
-            out.append(wide)
+            out.append(("wide", wide))
         if last_tick_s is not None and deadline_s is not None and last_tick_s > deadline_s:
-            out.append(f"tick over its deadline: the last took {last_tick_s:.2f} s "
-                       f"(job_tick_deadline_s = {deadline_s:g}); ticked less often, after the "
-                       f"other jobs, so that they keep their cadence")
+            out.append(("deadline", f"tick over its deadline: the last took {last_tick_s:.2f} s "
+                                    f"(job_tick_deadline_s = {deadline_s:g}); ticked less often, "
+                                    f"after the other jobs, so that they keep their cadence"))
         self._log(out, now)
-        return out
+        return [text for _, text in out]
 
-    def _log(self, warnings: list[str], now: float) -> None:
-        for w in warnings:
-            # The counts change every tick; the line is logged again only when the kind of
-            # warning is new or RELOG_S has passed.
-            key = w.split(" (", 1)[0].split(";", 1)[0]
+    def _log(self, warnings: list[tuple[str, str]], now: float) -> None:
+        """Each warning once when it appears, again every RELOG_S while it lasts."""
+        for key, text in warnings:
             last = self._logged.get(key)
             if last is None or now - last >= RELOG_S:
                 self._logged[key] = now
-                log.warning("job %s: %s", self.job, w)
-        keys = {w.split(" (", 1)[0].split(";", 1)[0] for w in warnings}
+                log.warning("job %s: %s", self.job, text)
+        keys = {key for key, _ in warnings}
         self._logged = {k: t for k, t in self._logged.items() if k in keys}
