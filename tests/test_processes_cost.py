@@ -88,11 +88,12 @@ def go(proc) -> None:
     proc.stdin.flush()
 
 
-def open_proc_files() -> list[str]:
-    out = []
+def open_proc_files() -> dict[int, str]:
+    """Our descriptors: number -> what it is open on."""
+    out = {}
     for fd in os.listdir("/proc/self/fd"):
         try:
-            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+            out[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
         except FileNotFoundError:
             pass  # the listing's own descriptor
     return out
@@ -218,18 +219,18 @@ def test_a_thread_replaced_under_an_unchanged_count_is_seen_and_its_files_closed
         new = int(proc.stdout.readline())
         wait_until(lambda: not os.path.exists(f"/proc/{proc.pid}/task/{old}"), what="the old thread to go")
         tids = [t.tid for t in probe.collect().processes[0].threads]
-        kept = open_proc_files()
+        kept = list(open_proc_files().values())
         assert [k for k in kept if f"/task/{new}/" in k]  # kept open while it lives
     assert new in tids and old not in tids and len(tids) == 2
     assert not [k for k in kept if f"/task/{old}/" in k], kept
     probe.collect()  # the job is gone: so are its descriptors
-    assert not [k for k in open_proc_files() if f"/proc/{proc.pid}/" in k]
+    assert not [k for k in open_proc_files().values() if f"/proc/{proc.pid}/" in k]
 
 
 def test_kept_files_stay_within_their_budget_and_fail_like_reads(tmp_path):
     import threading
 
-    from stallwatch.probes.procfiles import ProcFiles
+    from stallwatch.probes.procfiles import FD_FLOOR, ProcFiles
     from stallwatch.roots import Absent
 
     stop = threading.Event()
@@ -240,6 +241,8 @@ def test_kept_files_stay_within_their_budget_and_fail_like_reads(tmp_path):
     first = files.read(f"/proc/{me}/task/{tid}/stat")
     assert files.read(f"/proc/{me}/task/{me}/stat").startswith(f"{me} (".encode())  # not kept
     assert len(files) == 1 and first.startswith(f"{tid} (".encode())
+    (kept,) = [fd for fd, path in open_proc_files().items() if path == f"/proc/{me}/task/{tid}/stat"]
+    assert kept >= FD_FLOOR  # clear of the numbers select() can take
     stop.set()
     t.join()
     with pytest.raises(Absent):  # the thread ended: its kept descriptor says so, and is closed

@@ -7,12 +7,16 @@ kernel renders a seq file afresh on every read from offset 0. A kept descriptor 
 the task it was opened on: once that thread ends, its reads fail with ESRCH even if the number is
 reused, so nothing is ever read from the wrong task.
 
-Descriptors are bounded by a share of RLIMIT_NOFILE (the daemon needs the rest); past it, files
-are read the ordinary way. Those not read during a tick are closed by sweep().
+Kept descriptors live at or above FD_FLOOR (fcntl F_DUPFD_CLOEXEC), so that however many a wide
+job needs, the daemon's own files keep the low numbers: select() fails on a descriptor past 1023,
+and code that uses it (the daemon's wake-up pipe, test rigs) must never be handed one because the
+cache grew. They are bounded by what lies between FD_FLOOR and the soft RLIMIT_NOFILE; past it,
+files are read the ordinary way. Those not read during a tick are closed by sweep().
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import resource
 import weakref
@@ -20,15 +24,17 @@ import weakref
 from stallwatch.roots import Roots, _raise_mapped
 
 READ_LIMIT = 16384  # stat, schedstat: well under a page
+FD_FLOOR = 1024  # FD_SETSIZE: select() handles descriptors below it only
 
 
 def default_budget() -> int:
-    """A quarter of the soft fd limit, at most 4,096: systemd's default soft limit (1,024) keeps
-    128 threads' files open; the unit's LimitNOFILE=16384 keeps 2,048 (systemd/stallwatch.service)."""
+    """Half of what lies above FD_FLOOR under the soft fd limit, at most 4,096 (2,048 threads):
+    the unit's LimitNOFILE=16384 gives that (systemd/stallwatch.service); systemd's default soft
+    limit, 1,024, gives none, and every read is then an ordinary open, read, close."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         soft = 1 << 16
-    return max(0, min(4096, soft // 4))
+    return max(0, min(4096, (soft - FD_FLOOR) // 2))
 
 
 class ProcFiles:
@@ -47,9 +53,21 @@ class ProcFiles:
             if len(self._fds) >= self.max_open:
                 return self.roots.read_small(path, READ_LIMIT)
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                low = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             except OSError as e:
                 _raise_mapped(e, path)
+            try:
+                fd = fcntl.fcntl(low, fcntl.F_DUPFD_CLOEXEC, FD_FLOOR)
+            except OSError:  # EMFILE/EINVAL: no room up there after all; this read is plain
+                fd = None
+            if fd is None:
+                try:
+                    return os.read(low, READ_LIMIT)
+                except OSError as e:
+                    _raise_mapped(e, path)
+                finally:
+                    os.close(low)
+            os.close(low)
             self._fds[path] = fd
         try:
             data = os.pread(fd, READ_LIMIT, 0)
