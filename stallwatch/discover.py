@@ -265,7 +265,10 @@ def find_pipeline(target: Target, gpu_probe: GpuProbe | None = None, *,
     candidates = sglang_servers + gpu_servers
     candidates.sort(key=lambda f: (not f[3], f[0]))  # with clients first
 
-    if not sglang_servers:
+    # Whoever holds GPU memory is the pipeline: a torchrun job whose ranks hold it comes before an
+    # SGLang server that holds none (on a GPU host, such a server is not the one at work).
+    if not sglang_servers or (gpu and not any(p in gpu for f in sglang_servers
+                                              for p in host.tree(f[0]))):
         job = _torchrun_job(host, gpu, target, notes)
         if job is not None:
             return job
