@@ -393,18 +393,22 @@ def demo(
     fault: Annotated[str, typer.Option("--fault", help="hang, io_stall (needs root), crash or server_hang.")] = "hang",
     keep: Annotated[bool, typer.Option("--keep", help="Keep the temporary directory (config, logs, state, outputs).")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Narrate on stderr; print the summary as JSON on stdout.")] = False,
+    pipeline: Annotated[str, typer.Option("--pipeline", help="http (an SGLang-protocol server and its client) or torchrun (SpecForge's shape: 3 ranks on CPU; hang or crash; needs torch).")] = "http",
 ) -> int:
-    """A built-in pipeline (SGLang-protocol server + extraction client), supervised, with a fault
-    injected: detection, alert, kill, quarantine, resume to completion, in about a minute.
+    """A built-in pipeline (SGLang-protocol server + extraction client, or a torchrun job shaped
+    like SpecForge's), supervised, with a fault injected: detection, alert, kill, quarantine,
+    resume to completion, in about a minute.
 
     Exit 0 when everything happened as it should, 2 otherwise (saying what), 3 when the fault
     cannot be staged here (io_stall without root).
     """
     from stallwatch.demo import FAULTS, run_demo
 
+    if pipeline not in ("http", "torchrun"):
+        raise UsageError(f"--pipeline {pipeline}: expected http or torchrun")
     if fault not in FAULTS:
         raise UsageError(f"--fault {fault}: expected one of {', '.join(FAULTS)}")
-    return run_demo(fault, keep=keep, json_out=json_out)
+    return run_demo(fault, keep=keep, json_out=json_out, pipeline=pipeline)
 
 
 def main(argv: list[str] | None = None) -> None:

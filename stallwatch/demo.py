@@ -375,7 +375,7 @@ command = {q(self._client_argv())}
 cwd = {q(str(self.dir))}
 log = {q(str(self.job_log))}
 outputs = {q(str(self.out))}
-server = {q(self.server.url)}
+{f"server = {q(self.server.url)}" if self.server is not None else "# no server: the ranks run the model"}
 restart = "on-failure"
 max_restarts = 2
 restart_backoff_s = 1
@@ -408,7 +408,7 @@ kill_grace_s = 3
         from stallwatch.state import StateDB
 
         self.db = StateDB.open_readonly(self.state_dir)
-        fault_words = {
+        fault_words = self._fault_words() or {
             "hang": f"the client's writer deadlocks half-way through the file of sample "
                     f"{self.fault_at} (its --fault hang_mid_write hook)",
             "crash": f"the client raises an exception before sample {self.fault_at} (--fault crash)",
@@ -417,7 +417,7 @@ kill_grace_s = 3
                         f"{self.fault_at}",
         }[self.fault]
         self.say("daemon", f"stallwatch daemon supervising job \"{JOB}\" (default rules, a tick "
-                           f"every {INTERVAL_S:g} s, restart = on-failure): extraction client, "
+                           f"every {INTERVAL_S:g} s, restart = on-failure): {self.JOB_WORDS}, "
                            f"{self.n} samples → {self.out}",
                  [f"config {path}", f"log {self.job_log}",
                   "alerts: command sink → this terminal" + (
@@ -499,11 +499,31 @@ kill_grace_s = 3
                                  "storage answers again. The stuck write returns, the killed "
                                  "client can finally exit, and the recovery goes on")
 
+    # -- what differs between the pipelines (demo_torchrun.TorchrunDemo overrides these) ------
+
+    JOB_WORDS = "extraction client"
+    WHO = "the client"
+    RESUME_WORDS = "with --resume it skips every sample already on disk and carries on"
+
+    def _fault_words(self) -> str | None:
+        return None
+
+    def _read_progress(self) -> tuple[int, int] | None:
+        return read_progress(self.job_log)
+
+    def _fault_marker(self) -> Path:
+        return self.out / ".stallwatch-fault-fired"
+
+    def _expected_outputs(self) -> set[Path]:
+        from stallwatch.sglang.extract_client import sample_path
+
+        return {sample_path(self.out, i) for i in range(self.n)}
+
     # -- reading the state database ------------------------------------------------------
 
     def _poll(self) -> None:
         db = self.db
-        prog = read_progress(self.job_log) if self.runs_seen else None
+        prog = self._read_progress() if self.runs_seen else None
         if prog is not None and prog != self.progress:
             old = self.progress[0] if self.progress else -1
             self.progress = prog
@@ -516,11 +536,10 @@ kill_grace_s = 3
                 continue
             self.runs_seen.add(run["id"])
             if len(self.runs_seen) == 1:
-                self.say("job", f"run {run['seq']} started: the client is pid {run['pid']} "
+                self.say("job", f"run {run['seq']} started: {self.WHO} is pid {run['pid']} "
                                 f"(process group {run['pgid']}, in its own session)")
             else:
-                self.say("resume", f"run {run['seq']} started: pid {run['pid']}, with --resume it "
-                                   "skips every sample already on disk and carries on")
+                self.say("resume", f"run {run['seq']} started: pid {run['pid']}, {self.RESUME_WORDS}")
         self._hook_fault_marker()
         for inc in db.incidents(JOB):
             iid = inc["id"]
@@ -553,7 +572,7 @@ kill_grace_s = 3
     def _hook_fault_marker(self) -> None:
         if self.fault_wall is not None or self.fault not in ("hang", "crash"):
             return
-        marker = self.out / ".stallwatch-fault-fired"
+        marker = self._fault_marker()
         try:
             st = marker.stat()
         except OSError:
@@ -725,7 +744,6 @@ kill_grace_s = 3
 
     def _verify(self) -> None:
         from stallwatch.actions.validate import validate_file
-        from stallwatch.sglang.extract_client import sample_path
 
         expected_kind = self.fault
         inc = self.first_incident
@@ -748,7 +766,7 @@ kill_grace_s = 3
                    for d in self.delivered):
             self.problems.append(f"no firing {expected_kind} alert reached the terminal sink")
         # every output present once, each a whole archive; nothing else in the outputs
-        expected = {sample_path(self.out, i) for i in range(self.n)}
+        expected = self._expected_outputs()
         present = {p for p in self.out.rglob("*") if p.is_file() and p.suffix == ".ckpt"}
         missing = sorted(str(p) for p in expected - present)
         extra = sorted(str(p) for p in present - expected)
@@ -908,12 +926,18 @@ kill_grace_s = 3
                 self.console.print(f"  - {p}", highlight=False)
 
 
-def run_demo(fault: str = "hang", *, keep: bool = False, json_out: bool = False) -> int:
+def run_demo(fault: str = "hang", *, keep: bool = False, json_out: bool = False,
+             pipeline: str = "http") -> int:
     """The `stallwatch demo` command: 0 when all went as it should, 2 otherwise, 3 unavailable."""
     from rich.console import Console
 
     console = Console(stderr=json_out)
-    demo = Demo(fault, keep=keep, console=console)
+    if pipeline == "torchrun":
+        from stallwatch.demo_torchrun import TorchrunDemo
+
+        demo: Demo = TorchrunDemo(fault, keep=keep, console=console)
+    else:
+        demo = Demo(fault, keep=keep, console=console)
     try:
         doc = demo.run()
     except DemoUnavailable as e:

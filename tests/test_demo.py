@@ -44,8 +44,10 @@ class Running:
         self.t0 = time.monotonic()
         self.out = tempfile.TemporaryFile()
         self.err = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, "-m", "stallwatch", "demo", "--fault", fault,
-                                      "--json"], stdout=self.out, stderr=self.err,
+        pipeline, _, kind = fault.rpartition(":")  # "torchrun:hang": the torchrun pipeline
+        extra = ["--pipeline", pipeline] if pipeline else []
+        self.proc = subprocess.Popen([sys.executable, "-m", "stallwatch", "demo", "--fault", kind,
+                                      *extra, "--json"], stdout=self.out, stderr=self.err,
                                      stdin=subprocess.DEVNULL)
         self.result: tuple[int, dict, str, float] | None = None
 
@@ -97,10 +99,11 @@ def demos(request):
         r.close()
 
 
-def _check(fault: str, demos) -> dict:
+def _check(key: str, demos) -> dict:
+    fault = key.rpartition(":")[2]
     if fault == "io_stall" and (why := _io_stall_unavailable()):
         pytest.skip(why)
-    rc, doc, err, took = demos[fault].wait()
+    rc, doc, err, took = demos[key].wait()
     print(f"demo {fault}: exit {rc} in {took:.1f} s; detected after "
           f"{doc.get('detected_after_s')} s")
     assert rc == 0, f"demo --fault {fault} exited {rc}: {doc.get('problems')}\n{err[-4000:]}"
@@ -180,6 +183,19 @@ def test_demo_io_stall(fault, demos) -> None:
     assert unkillable and thaw and resume and unkillable[0] < thaw[0] < resume[0]
     check = [t for w, t in texts if w == "check"]
     assert check and "no second writer" in check[0]
+
+
+@pytest.mark.parametrize("fault", ["torchrun:hang"])
+def test_demo_torchrun_hang(fault, demos) -> None:
+    """SpecForge's shape (docs/specforge.md): rank 1 named, the tree killed, the file aside."""
+    pytest.importorskip("torch", reason="the torchrun pipeline needs torch (the test extra)")
+    doc = _check(fault, demos)
+    assert doc["detected_after_s"] is not None and doc["detected_after_s"] <= 30
+    assert doc["restarts"] == 1
+    assert "rank 1 (pid" in doc["summary"] and "half-written" in doc["summary"]
+    assert any("finished its bar and waits at the barrier" in e for e in doc["evidence"])
+    assert len(doc["quarantined"]) == 1 and doc["quarantined"][0].endswith(".ckpt")
+    assert doc["outputs"]["valid"] == 60
 
 
 def test_demo_unknown_fault_is_a_usage_error() -> None:
