@@ -114,7 +114,8 @@ startup_grace_s = 5
     finally:
         watch.stop.set()
         watch.join(5)
-    assert watch.samples > 100 and watch.max_agents == 1, watch.max_agents
+    assert watch.samples > 20, watch.samples
+    assert watch.max_agents == 1, f"{watch.max_agents} torchrun agents alive at once"
     assert h.job()["restarts"] == 1
     inc, = h.incidents()
     assert inc["kind"] == "hang" and inc["state"] == "resolved"
