@@ -8,6 +8,8 @@ import os
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stallwatch.clock import FakeClock
 from stallwatch.diagnose import load
@@ -58,6 +60,20 @@ def test_each_style_is_read(line, style, seconds_of_day):
 ])
 def test_what_is_not_a_timestamp(line):
     assert line_time(line) is None
+
+
+stampish = st.lists(st.sampled_from(list("0123456789:-.,[] TZ+|<") + ["2026-12-01", "23:59:60",
+                                                                     "1764602496", "\x00", "é"]),
+                   max_size=40).map("".join)
+
+
+@settings(max_examples=1000, deadline=1000)
+@given(stampish, stampish)
+def test_random_text_never_raises_and_gaps_are_never_negative(a, b):
+    ta, tb = line_time(a), line_time(b)
+    if ta is not None and tb is not None:
+        g = gap_s(ta, tb)
+        assert g is None or g >= 0
 
 
 def test_gaps_within_one_style_only_and_across_midnight():
