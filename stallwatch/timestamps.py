@@ -37,10 +37,11 @@ _DATED = re.compile(
     r"(?P<open>\[)?(?P<date>\d{4}-\d{2}-\d{2})(?P<sep>[T ])(?P<h>\d{2}):(?P<m>\d{2}):(?P<s>\d{2})"
     r"(?:(?P<fsep>[.,])(?P<frac>\d{1,9}))?(?P<tz>Z|[+-]\d{2}:?\d{2})?(?![\d:])"
 )
-# A time of day alone. Not tqdm's `[1:02:03<...` or `[1:02:03, 4it/s]` (its elapsed field): a
-# time of day is followed by a space, `]`, `|`, a fraction (`.123`, logging's `,123`) or the end.
+# A time of day alone: zero-padded hours (strftime's %H), so a duration (`eta 0:01:23`, Python's
+# timedelta) is not one. Not tqdm's `[01:02:03<...` or `[01:02:03, 4it/s]` either (its elapsed
+# field): a time of day is followed by a space, `]`, `|`, a fraction (`.123`, `,123`) or the end.
 _HMS = re.compile(
-    r"(?<![\d:.])(?P<h>[01]?\d|2[0-3]):(?P<m>[0-5]\d):(?P<s>[0-5]\d|60)"
+    r"(?<![\d:.])(?P<h>[01]\d|2[0-3]):(?P<m>[0-5]\d):(?P<s>[0-5]\d|60)"
     r"(?:[.,](?P<frac>\d{1,9}))?(?=\s|\]|\||$)"
 )
 # Unix time at the very start of the line (optionally in brackets): 10 digits, 2001 to 2065.

@@ -57,6 +57,7 @@ def test_each_style_is_read(line, style, seconds_of_day):
     "2026-13-45 15:21:36 not a date",
     "x" * 70 + " 2026-12-01 15:21:36",  # a date deep in the payload is not the line's time
     "version 1.2.3:4:5",
+    "step 5/100 eta 0:01:23 left",  # a duration, not a time of day
 ])
 def test_what_is_not_a_timestamp(line):
     assert line_time(line) is None
