@@ -11,10 +11,6 @@ from __future__ import annotations
 
 import http.server
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -27,7 +23,7 @@ pytest.importorskip("tqdm", reason="needs tqdm (a test dependency)")
 from stallwatch.discover import _answers_model_info, find_pipeline  # noqa: E402
 from stallwatch.probes.gpu import GpuDeviceObs, GpuObs, GpuProcessObs  # noqa: E402
 from stallwatch.targets import Target  # noqa: E402
-from test_specforge_live import children, torchrun, wait_for  # noqa: E402
+from test_specforge_live import children, kill_tree, torchrun, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -55,12 +51,7 @@ def test_torchrun_ranks_holding_gpu_memory_are_one_job_not_a_server(tmp_path: Pa
         wait_for(lambda: list(out.glob(".specforge_job_fault_*")), 120, "the fault")
         d = find_pipeline(Target(), FakeGpu(kids))
     finally:
-        for pid in [job.pid, *kids]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        job.wait(30)
+        kill_tree(job, kids)
     notes = "\n".join(d.notes)
     assert d.server_url is None and d.target.server is None, notes
     assert d.target.pids == (job.pid,), notes

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import rigs
 
 pytest.importorskip("torch", reason="needs torch (pip install -e '.[test]' installs it)")
 pytest.importorskip("tqdm", reason="needs tqdm (a test dependency)")
@@ -35,27 +36,15 @@ STALL_AGE_S = 36.0  # recorded this long after the fault: threshold 20 s + `for`
 
 
 def wait_for(probe: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = probe()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.1)
+    return rigs.wait_until(probe, timeout, what)
 
 
 def children(pid: int) -> list[int]:
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                rest = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if int(rest[1]) == pid:
-                out.append(int(name))
-    return sorted(out)
+    """The kernel's list of pid's children (cheap enough to poll)."""
+    try:
+        return sorted(int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+    except OSError:
+        return []
 
 
 def torchrun(out: Path, log: Path, *args: str, nproc: int = 3) -> subprocess.Popen:
@@ -179,8 +168,6 @@ def scenarios(tmp_path_factory) -> dict[str, Any]:
 
 
 def _io_stall(tmp: Path) -> Any:
-    import rigs
-
     if os.geteuid() != 0:
         return pytest.skip.Exception("the writer-in-D scenario needs root (loop device, fsfreeze)")
     try:
