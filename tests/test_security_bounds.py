@@ -292,3 +292,27 @@ def test_a_job_over_its_tick_deadline_is_ticked_less_often_and_last() -> None:
     for n, t in enumerate((20.0, 21.0, 22.0)):
         Daemon._spaced(d, victim, t, t + 0.8)
         assert (victim in Daemon._due_jobs(d, t + 0.9)) == (n < 2)
+
+
+def test_status_shows_the_watch_warnings_as_text(tmp_path) -> None:
+    import json
+
+    from rich.console import Console
+
+    from stallwatch.daemon.status import render_status, status_doc
+    from stallwatch.state import StateDB
+
+    db = StateDB.open(tmp_path / "state")
+    try:
+        db.ensure_job("wide", "command", "{}")
+        warning = "too wide to watch fully: more than max_processes = 1024 [bold]x[/]"
+        db.update_job("wide", verdict_json=json.dumps(
+            {"kind": "healthy", "summary": "ok", "watch_warnings": [warning]}))
+        doc = status_doc(db, tmp_path / "state")
+    finally:
+        db.close()
+    job = doc["jobs"][0]
+    assert job["watch_warnings"] == [warning] and "watch_warnings" not in job["verdict"]
+    console = Console(record=True, width=200)
+    render_status(doc, console)
+    assert f"wide: warning: {warning}" in console.export_text()  # markup in it stays text
