@@ -148,8 +148,7 @@ def open_in(dir_fd: int, name: str, flags: int = os.O_RDONLY, mode: int = 0o600,
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise UnsafePath(where or name, "not a regular file")
-        if flags & os.O_ACCMODE == os.O_RDONLY:
-            os.set_blocking(fd, True)
+        os.set_blocking(fd, True)  # O_NONBLOCK was for the open only (a FIFO must not block it)
         return fd
     except BaseException:
         os.close(fd)

@@ -471,3 +471,26 @@ def test_a_log_growing_faster_than_it_is_read_is_caught_up_not_lagged(tmp_path, 
     assert o.progress.done == 900 and o.backlog_bytes == 0
     assert o.skipped_backlog_bytes > 150_000
     assert all(not line.startswith("step") or line == "step 900/1000" for line in o.tail[-3:])
+
+
+def test_a_log_symlinked_elsewhere_or_unreadable_to_its_user_is_refused(tmp_path: Path) -> None:
+    """security.md #5: the job's user replaced its log with a symlink to a root-only file; the
+    probe read that file and its last line reached the alerts."""
+    secret = tmp_path / "secret"
+    secret.write_text("AWS_SECRET_ACCESS_KEY=abc\n")
+    secret.chmod(0o600)
+    log = tmp_path / "job.log"
+    log.write_text("step 1/10\n")
+    probe = LogProbe(log, clock=FakeClock(), reader=(65534, frozenset({65534})))
+    log.chmod(0o644)
+    assert probe.collect().status == LogStatus.ok
+    log.unlink()
+    os.symlink(secret, log)
+    o = probe.collect()
+    assert o.status == LogStatus.denied and "symlink: not followed" in (o.error or "")
+    assert all("AWS" not in line for line in o.tail)
+    log.unlink()
+    os.link(secret, log)  # what fs.protected_hardlinks stops for a user; root can show it
+    o = probe.collect()
+    assert o.status == LogStatus.denied and "cannot read: refused" in (o.error or "")
+    assert all("AWS" not in line for line in o.tail)

@@ -22,7 +22,6 @@ resolved or repeated event replaces the incident's earlier notification (replace
 from __future__ import annotations
 
 import argparse
-import errno
 import itertools
 import json
 import os
@@ -263,10 +262,12 @@ class Spool:
                     st = os.fstat(dfd)
                     if self._uid is not None and st.st_uid != self._uid:
                         if st.st_uid != os.geteuid():
-                            raise PermissionError(errno.EPERM, "owned by another user")
+                            raise safefs.UnsafePath(str(self.dir), "owned by another user: "
+                                                                   "not taken over")
                         now = os.stat(self.dir.name, dir_fd=pfd, follow_symlinks=False)
                         if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-                            raise PermissionError(errno.EPERM, "replaced while it was prepared")
+                            raise safefs.UnsafePath(str(self.dir), "replaced while it was "
+                                                                   "prepared")
                         os.chown(self.dir.name, self._uid, self._gid,  # type: ignore[arg-type]
                                  dir_fd=pfd, follow_symlinks=False)
                     if stat.S_IMODE(st.st_mode) != 0o700:
