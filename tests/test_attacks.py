@@ -187,14 +187,18 @@ def _attack_3(rig: AttackRig) -> None:
 
 
 def _attack_4(rig: AttackRig) -> None:
-    """#4: the outputs' sub-directory flipped to a symlink and back, as fast as the attacker can,
-    from before the crash until well after the validation: at a root directory holding a device
-    node named like the broken output, and at another user's 0700 directory."""
+    """#4: the outputs' sub-directory swapped for a symlink right after it is listed (timed with
+    inotify: the listing opens it), and swapped back 50 ms later, again and again: at a root
+    directory holding a device node named like the broken output, and at another user's 0700
+    directory. Against the path-based code this deleted a device node and moved another user's
+    file (issue 22); whether the swap lands between walk and move is timing, so the assertions
+    hold for every interleaving: nothing outside the job's directory is touched."""
     devdir = rig.victim_path("dev4")
     devdir.mkdir(mode=0o700)
     os.mknod(devdir / "data_0.pt", 0o600 | stat.S_IFCHR, os.makedev(1, 5))  # /dev/zero
     rig.other_file("data_0.pt", b"another user's broken checkpoint")
     script = rig.user_script("a4.py", ONCE + f"""
+import ctypes, select, struct
 out = os.path.join(here, name + ".out")
 sub = os.path.join(out, "sub")
 os.makedirs(sub, exist_ok=True)
@@ -202,13 +206,27 @@ with open(os.path.join(sub, "data_0.pt"), "wb") as f:
     f.write(b"PK broken")
 if os.fork() == 0:  # the racer: its own session, so the kill of the job's group misses it
     os.setsid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    ifd = libc.inotify_init1(0)
+    libc.inotify_add_watch(ifd, os.fsencode(sub), 0x20)  # IN_OPEN: someone lists it
     targets = [{str(devdir)!r}, {str(rig.other)!r}]
-    end = time.monotonic() + 12
+    end = time.monotonic() + 15
     i = 0
     while time.monotonic() < end:
+        if not select.select([ifd], [], [], 0.5)[0]:
+            continue
+        buf = os.read(ifd, 65536)
+        listed = False
+        while buf:
+            _, mask, _, n = struct.unpack("iIII", buf[:16])
+            listed |= n == 0  # the directory itself, not a file in it
+            buf = buf[16 + n:]
+        if not listed:
+            continue
         try:
             os.rename(sub, sub + ".real")
             os.symlink(targets[i % 2], sub)
+            time.sleep(0.05)
             os.unlink(sub)
             os.rename(sub + ".real", sub)
         except OSError:
