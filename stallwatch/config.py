@@ -91,6 +91,10 @@ class DaemonConfig(_Strict):
     # longer is ticked less often and after the others (daemon/core.py), so a user who grows a
     # huge tree slows the watch of their own job, not another's.
     job_tick_deadline_s: float = 0.5
+    # The jobs in the foreground (`stallwatch run -- COMMAND` sets it; stallwatch.daemon.foreground):
+    # exit with the job's status once every supervised job has ended, and pass SIGINT/SIGTERM to
+    # the jobs. false (a service): those signals stop the daemon and leave the jobs running.
+    exit_with_jobs: bool = False
 
     @field_validator("interval_s", "tick_deadline_s", "probe_deadline_s", "evidence_timeout_s",
                      "job_tick_deadline_s", mode="before")

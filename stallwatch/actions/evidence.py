@@ -10,6 +10,8 @@
              gpus.txt          devices, their processes and memory, Xid events
              disks.txt         the output paths' filesystems and block devices
              kernel.txt        kernel log events (OOM kills, hung tasks, Xid, I/O errors)
+             sparklines.txt    the last minutes as sparklines: progress rate, GPU, CPU, I/O
+             history.json      the samples they are drawn from (when given `history`)
              py-spy-<pid>.txt  `py-spy dump --nonblocking` of each Python process of the job
 
 Guarantees. It never hangs: the only outside programs are py-spy runs, started together, each
@@ -394,6 +396,12 @@ def _readme(bundle: _Bundle, snap: Snapshot | None, verdict: Verdict | None, clo
     return "\n".join(lines) + "\n"
 
 
+def _sparklines_txt(history: list[dict[str, Any]]) -> str:
+    from stallwatch.history import from_docs, sparkline_text, sparklines
+
+    return sparkline_text(sparklines(from_docs(history))) + "\n"
+
+
 def _dump_json(model: Any) -> str:
     if hasattr(model, "model_dump_json"):
         return model.model_dump_json(indent=1) + "\n"
@@ -428,6 +436,7 @@ def capture_evidence(
     evaluation: Any = None,
     features: Any = None,
     timeout_s: float | None = None,
+    history: list[dict[str, Any]] | None = None,
 ) -> Path:
     """Write the bundle to `bundle_dir` (or `bundle_dir-N` when it exists) and return its path.
 
@@ -467,6 +476,9 @@ def capture_evidence(
             bundle.part("evaluation.json", lambda: _dump_json(evaluation))
         if features is not None:
             bundle.part("features.json", lambda: _dump_json(features))
+        if history:
+            bundle.part("sparklines.txt", lambda: _sparklines_txt(history))
+            bundle.part("history.json", lambda: json.dumps(history, indent=1) + "\n")
         bundle.part("snapshot.json", lambda: _dump_json(snapshot))  # the largest: last
         try:
             _finish_dumps(bundle, dumps, py_spy_timeout_s)

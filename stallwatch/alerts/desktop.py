@@ -165,6 +165,8 @@ def render(event: AlertEvent, config: DesktopConfig) -> dict[str, Any]:
         prog = fmt_progress(event.progress)
         if prog:
             lines.append(f"Progress: {prog}")
+        if event.sparklines:
+            lines.extend(event.sparklines.splitlines()[:-1])  # the rows, not the legend
         if event.advice:
             lines.append(f"→ {event.advice[0]}")
         tail = [x for x in (event.host and f"on {event.host}",

@@ -128,6 +128,9 @@ def firing_blocks(event: AlertEvent, mention: str | None = None) -> list[dict[st
     prog = fmt_progress(event.progress)
     if prog:
         blocks.append({"type": "section", "text": _mrkdwn(f"*Progress*\n{esc(prog)}")})
+    if event.sparklines:  # a code block keeps the columns aligned
+        blocks.append({"type": "section", "text": _mrkdwn(
+            _cut(f"*Last minutes*\n```{esc(event.sparklines)}```", SECTION_MAX))})
     if event.advice:
         blocks.append({"type": "section",
                        "text": _mrkdwn("*Advice*\n" + "\n".join(f"• {esc(a)}" for a in event.advice[:5]))})

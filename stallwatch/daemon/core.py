@@ -114,6 +114,13 @@ class Daemon:
         self._reload = True
         self._wake()
 
+    def before_jobs(self) -> None:
+        """Called once the state database is open and locked, before the jobs are taken over."""
+
+    def on_wake(self) -> None:
+        """Called each time the loop wakes, before anything else (the foreground daemon passes
+        Ctrl-C on to its job here)."""
+
     def _wake(self) -> None:
         try:
             os.write(self._w, b"\0")
@@ -199,6 +206,7 @@ class Daemon:
             self.db.set_meta("boot_id", self.boot_id)
             self.db.set_meta("host", self.host)
         self.dispatcher = self._make_dispatcher(self.config)
+        self.before_jobs()
         for job in self.config.job:
             rs, key = rules[job.name]
             runner = JobRunner(self, job, rs)
@@ -227,6 +235,7 @@ class Daemon:
                             pass
                     except BlockingIOError:
                         pass
+                self.on_wake()
                 if self._stop:
                     break
                 if self._chld:

@@ -39,6 +39,7 @@ from stallwatch.daemon.watchwarn import WatchWarnings, job_uid, with_width_evide
 from stallwatch.engine import Evaluator, RuleSet
 from stallwatch.engine.alerting import AlertState, Evaluation, Verdict
 from stallwatch.features import features
+from stallwatch.history import History, sample, sparkline_text, sparklines
 
 if TYPE_CHECKING:
     from stallwatch.daemon.core import Daemon
@@ -49,6 +50,8 @@ PROBLEM_KINDS = ("hang", "io_stall", "server_hang", "server_down", "crash", "gpu
                  "disk_full", "slow")
 RESTART_KINDS = ("crash", "hang", "io_stall")
 STALL_KINDS = ("hang", "io_stall")
+HISTORY_WINDOW_S = 300.0  # what the sparklines show: the last five minutes
+HISTORY_SAVE_S = 5.0  # how often the history is written for `status` (one JSON row)
 TERMINAL = ("finished", "stopped")
 PID_FILE_MAX_BYTES = 64  # "12345\n" and then some: a pid file is never more
 
@@ -100,6 +103,10 @@ class JobRunner:
         self.last_tick_s: float | None = None  # how long its previous tick took (the daemon's)
         self.next_due = 0.0  # monotonic; later than now after a tick over its deadline (core)
         self.overruns = 0  # ticks over the deadline in a row
+        # The last minutes as numbers (stallwatch.history): sparklines in the live view, alerts,
+        # evidence and `status` (saved in the state database every HISTORY_SAVE_S).
+        self.history = History()
+        self._history_saved_at: float | None = None
 
     # ------------------------------------------------------------------------------ helpers
 
@@ -695,6 +702,7 @@ class JobRunner:
         v = features(snap)
         ev = self.evaluator.evaluate(v, snap.t_mono)
         self.last_snap, self.last_eval, self.last_vars = snap, ev, v
+        self._record(snap, v)
         if snap.processes is not None and snap.processes.processes:
             self.last_alive_snap = snap
         for e in ev.errors:
@@ -751,6 +759,17 @@ class JobRunner:
             self.set_phase("stopped", why)
             log.warning("job %s: cancelled: %s", self.name, why)
         return True
+
+    def _record(self, snap: Any, v: dict[str, Any]) -> None:
+        self.history.add(sample(snap.t_wall, v, snap))
+        now = self.clock.monotonic()
+        if self._history_saved_at is None or now - self._history_saved_at >= HISTORY_SAVE_S:
+            self._history_saved_at = now
+            self.db.set_meta(f"history:{self.name}",
+                             json.dumps(self.history.docs(HISTORY_WINDOW_S)))
+
+    def sparklines(self) -> str:
+        return sparkline_text(sparklines(list(self.history.samples), HISTORY_WINDOW_S))
 
     def _persist(self, snap: Any, verdict: Verdict) -> None:
         doc = verdict_doc(verdict, snap.t_wall)
@@ -824,7 +843,8 @@ class JobRunner:
             inc["evidence_future"] = run_in_thread(
                 f"evidence-{self.name}", self.toolkit.run_evidence, snap, verdict, bundle,
                 evaluation=ev, features=v, clock=self.clock, log=self.log_path(),
-                job=self.name, timeout_s=min(15.0, self.daemon_cfg.evidence_timeout_s))
+                job=self.name, timeout_s=min(15.0, self.daemon_cfg.evidence_timeout_s),
+                history=self.history.docs(HISTORY_WINDOW_S))
             self.db.update_incident(iid, evidence_bundle=str(bundle))
         note = self._budget_note(kind)
         if note:
@@ -962,7 +982,8 @@ class JobRunner:
             advice=tuple(vd.get("advice", ())), cause=vd.get("cause"), severity=sev,
             host=self.daemon.host, incident_id=incident_id, episode=inc["episode"],
             started_at=inc["started_at"], resolved_at=inc["resolved_at"], at=self.clock.time(),
-            progress=progress, actions=actions, evidence_bundle=inc["evidence_bundle"])
+            progress=progress, actions=actions, evidence_bundle=inc["evidence_bundle"],
+            sparklines=self.sparklines())
         self.daemon.submit_alert(event)
 
 
