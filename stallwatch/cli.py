@@ -336,6 +336,7 @@ def run(
     alert: AlertOpt = [], state_dir: StateDirOpt = None, rules: RulesOpt = [],
     interval: IntervalOpt = None, startup_grace: GraceOpt = None, print_config: PrintOpt = False,
     tee: TeeOpt = None,
+    restart_backoff: Annotated[Optional[float], typer.Option("--restart-backoff", help="Seconds before the first restart, doubling after (default 5).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Watch and alert, but never kill, quarantine or restart anything.")] = False,
     log_level: Annotated[Optional[str], typer.Option("--log-level", help="debug, info, warning or error (default: the config's).")] = None,
 ) -> int:
@@ -361,7 +362,7 @@ def run(
                               progress_regex=progress_regex, restart=restart,
                               max_restarts=max_restarts, alert=alert, state_dir=state_dir,
                               rules=rules, interval=interval, startup_grace=startup_grace,
-                              dry_run=dry_run)
+                              dry_run=dry_run, restart_backoff=restart_backoff)
         if print_config:
             sys.stdout.write(text)
             return 0
@@ -375,6 +376,7 @@ def run(
                                 ("--max-restarts", max_restarts), ("--alert", alert),
                                 ("--state-dir", state_dir), ("--rules", rules),
                                 ("--interval", interval), ("--startup-grace", startup_grace),
+                                ("--restart-backoff", restart_backoff),
                                 ("--print-config", print_config)) if v]
         if restart != "no":
             given.append("--restart")
@@ -397,7 +399,8 @@ def run(
 
 def _oneliner_toml(command: list[str], *, name, log, outputs, server, progress_regex, restart,
                    max_restarts, alert, state_dir, rules, interval, startup_grace, dry_run,
-                   pid_file: Path | None = None, match: str | None = None) -> str:
+                   restart_backoff: float | None = None, pid_file: Path | None = None,
+                   match: str | None = None) -> str:
     """The one-liner's options as the config file they stand for (stallwatch.oneliner)."""
     from stallwatch.oneliner import OneLiner, alert_table, default_state_dir, job_name, to_toml
 
@@ -412,6 +415,7 @@ def _oneliner_toml(command: list[str], *, name, log, outputs, server, progress_r
                   log=log and log.absolute(), outputs=outputs and outputs.absolute(),
                   server=server, progress_regex=progress_regex, restart=restart,
                   max_restarts=max_restarts, startup_grace_s=startup_grace,
+                  restart_backoff_s=restart_backoff,
                   rules=[r.absolute() for r in rules], alerts=[alert_table(a) for a in alert],
                   dry_run=dry_run, interval_s=interval)
     how = "stallwatch " + ("run" if command else "watch")
@@ -475,11 +479,17 @@ def status(
     config: Annotated[Optional[Path], typer.Option("--config", help="The daemon's config file; default $STALLWATCH_CONFIG or /etc/stallwatch.toml when it exists.")] = None,
     state_dir: Annotated[Optional[Path], typer.Option("--state-dir", help="Read this state directory instead of the config's.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    watch_: Annotated[bool, typer.Option("--watch", help="A live table, refreshed in place until Ctrl-C (as `stallwatch top`).")] = False,
+    every: Annotated[float, typer.Option("--every", help="With --watch: seconds between refreshes.")] = 1.0,
 ) -> int:
     """Each job's current verdict, restarts and incidents, from the daemon's state database.
 
     Exit code as Nagios: the worst job (0 healthy/finished, 1 slow, 2 a problem); 3 when no daemon is running.
     """
+    if watch_:
+        if json_out:
+            raise UsageError("--watch draws a table: it does not go with --json")
+        return top(config=config, state_dir=state_dir, every=every)
     import os
 
     from stallwatch.config import default_state_dir, load_config
@@ -516,6 +526,66 @@ def status(
 
         render_status(doc, Console())
     return exit_code(doc)
+
+
+def _status_source(config: Path | None, state_dir: Path | None) -> tuple[Path, list[str] | None]:
+    import os
+
+    from stallwatch.config import default_state_dir, load_config
+
+    names = None
+    if config is None and state_dir is None:
+        env = os.environ.get("STALLWATCH_CONFIG")
+        if env:
+            config = Path(env)
+        elif Path("/etc/stallwatch.toml").exists():
+            config = Path("/etc/stallwatch.toml")
+    if config is not None:
+        try:
+            cfg = load_config(config, check_permissions=False)
+        except UsageError as e:
+            if state_dir is None:
+                raise
+            print(f"stallwatch: warning: {e} (reading {state_dir} anyway)", file=sys.stderr)
+        else:
+            names = [j.name for j in cfg.job]
+            state_dir = state_dir or cfg.state_dir
+    return Path(state_dir or default_state_dir()), names
+
+
+@app.command()
+def top(
+    config: Annotated[Optional[Path], typer.Option("--config", help="The daemon's config file; default $STALLWATCH_CONFIG or /etc/stallwatch.toml when it exists.")] = None,
+    state_dir: Annotated[Optional[Path], typer.Option("--state-dir", help="Read this state directory instead of the config's.")] = None,
+    every: Annotated[float, typer.Option("--every", help="Seconds between refreshes.")] = 1.0,
+) -> int:
+    """Every job of a running daemon in a live table, refreshed in place (Ctrl-C to quit)."""
+    from rich.console import Console
+    from rich.live import Live
+
+    from stallwatch.daemon.status import status_doc, status_renderable
+    from stallwatch.state import StateDB
+
+    if every <= 0:
+        raise UsageError("--every must be positive")
+    sd, names = _status_source(config, state_dir)
+
+    def frame():
+        db = StateDB.open_readonly(sd)
+        try:
+            return status_renderable(status_doc(db, sd, names))
+        finally:
+            db.close()
+
+    console = Console()
+    try:
+        with Live(frame(), console=console, auto_refresh=False, screen=False,
+                  redirect_stdout=False, redirect_stderr=False) as live:
+            while True:
+                time.sleep(every)  # a refresh period, not a wait for an event
+                live.update(frame(), refresh=True)
+    except KeyboardInterrupt:
+        return 0
 
 
 @app.command()

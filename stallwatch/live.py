@@ -131,6 +131,10 @@ def job_view(runner: Any) -> dict[str, Any]:
             acts = []
         incident = {"id": inc["id"], "kind": inc["kind"], "started_at": inc["started_at"],
                     "resolved_at": inc["resolved_at"], "last_action": acts[-1] if acts else ""}
+    try:
+        row = runner.db.job(runner.name) or {}
+    except Exception:  # noqa: BLE001
+        row = {}
     gpu = v.get("gpu") or {}
     mine = set(gpu.get("job_gpus") or ())
     gpus = [g for g in gpu.get("list") or () if g.get("index") in mine]
@@ -138,12 +142,13 @@ def job_view(runner: Any) -> dict[str, Any]:
     return {
         "name": runner.name,
         "phase": runner.phase,
+        "detail": row.get("phase_detail") or "",
         "verdict": verdict.kind if verdict is not None else "unknown",
         "summary": verdict.summary if verdict is not None else "",
         "pid": (runner.run_row or {}).get("pid") or (v.get("job") or {}).get("pid"),
         "run": (runner.run_row or {}).get("seq"),
         "supervised": runner.cfg.supervised,
-        "restarts": runner.restarts() if runner.cfg.supervised else None,
+        "restarts": int(row.get("restarts") or 0) if runner.cfg.supervised else None,
         "max_restarts": runner.cfg.max_restarts if runner.cfg.restart == "on-failure" else None,
         "progress": _progress(lg),
         "ranks": [_progress(r) | {"rank": r.get("rank")} for r in lg.get("ranks") or ()
@@ -220,7 +225,9 @@ def footer_text(views: list[dict[str, Any]], width: int, notes: list[str] = (),
         head = Text.assemble(("stallwatch ", "bold"), (v["name"], "bold"), "  ",
                              (f" {v['verdict']} ", f"bold reverse {c}"))
         if v["phase"] not in ("running", "attached"):
-            head.append(f"  {v['phase']}", style="yellow")
+            head.append(f"  {v['phase']}" + (f": {v['detail']}" if v["phase"] in
+                                              ("stopped", "recovering") and v["detail"] else ""),
+                        style="yellow")
         if v["pid"]:
             head.append(f"  pid {v['pid']}" + (f" run {v['run']}" if v["run"] else ""))
         if v["max_restarts"] is not None:
@@ -232,7 +239,7 @@ def footer_text(views: list[dict[str, Any]], width: int, notes: list[str] = (),
         bars += [(f"rank {r['rank']}", r) for r in v["ranks"]]
         if bars:
             grid = Table.grid(padding=(0, 1))
-            grid.add_column(no_wrap=True)
+            grid.add_column(no_wrap=True, min_width=max(len(lb or "progress") for lb, _ in bars))
             grid.add_column(width=max(10, min(40, width // 3)))
             grid.add_column(no_wrap=True, overflow="ellipsis")
             for label, p in bars[:9]:

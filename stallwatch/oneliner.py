@@ -96,6 +96,7 @@ class OneLiner:
     restart: str = "no"
     max_restarts: int | None = None
     startup_grace_s: float | None = None
+    restart_backoff_s: float | None = None
     rules: list[Path] = field(default_factory=list)
     alerts: list[dict[str, Any]] = field(default_factory=list)
     dry_run: bool = False
@@ -118,8 +119,9 @@ class OneLiner:
             job["restart"] = self.restart
         if self.max_restarts is not None:
             job["max_restarts"] = self.max_restarts
-        if self.startup_grace_s is not None:
-            job["startup_grace_s"] = self.startup_grace_s
+        for k in ("startup_grace_s", "restart_backoff_s"):
+            if getattr(self, k) is not None:
+                job[k] = getattr(self, k)
         if self.rules:
             job["rules"] = [str(p) for p in self.rules]
         return {"daemon": daemon, "job": [job], "alert": list(self.alerts)}

@@ -53,7 +53,6 @@ class ForegroundDaemon(Daemon):
         # actions (kill, quarantine, restart) are dry. The daemon's dry run starts nothing.
         self.start_in_dry_run = start_in_dry_run
         self.interrupted: int | None = None  # the last signal passed to the jobs
-        self.gave_up: dict[str, str] = {}  # job -> the verdict kind it was given up on
         self.exit_code: int | None = None
         self._signals: list[int] = []
         self.final_views: list[dict[str, Any]] = []
@@ -122,12 +121,10 @@ class ForegroundDaemon(Daemon):
                     r._spawn("start", None, None)
 
     def tick(self) -> None:
-        recovering = {n for n, r in self.jobs.items() if r.recovery is not None}
-        super().tick()
-        for n in recovering:
-            r = self.jobs.get(n)
-            if r is not None and r.recovery is None and r.phase == "stopped":
-                self.gave_up[n] = r.verdict.kind if r.verdict is not None else "crash"
+        if self.interrupted is None:
+            super().tick()
+        else:
+            self._wait_for_the_end()
         if self.view is not None:
             try:
                 self.view.update(self)
@@ -138,6 +135,23 @@ class ForegroundDaemon(Daemon):
         if code is not None:
             self.exit_code = code
             self.request_stop()
+
+    def _wait_for_the_end(self) -> None:
+        """After a passed Ctrl-C the job's end is the user's doing, not a crash to judge, alert
+        and restart: only its exit is collected, and the job marked stopped."""
+        name = signal.Signals(self.interrupted).name
+        for r in self.jobs.values():
+            if not r.cfg.supervised or r.phase in TERMINAL:
+                continue
+            r.recovery = None
+            r._poll_run()
+            if r.exit_noted or r.synthetic is not None:
+                how = "lost" if not r.exit_noted else (
+                    f"killed by {_signame(-r.exit_rc)}" if (r.exit_rc or 0) < 0
+                    else f"exit code {r.exit_rc}")
+                r.set_phase("stopped", f"stopped by {name} from the terminal: {how}",
+                            recovery_incident=None)
+                log.info("job %s: stopped by %s: %s", r.name, name, how)
 
     def _ended(self) -> int | None:
         runners = [r for r in self.jobs.values() if r.cfg.supervised]
@@ -163,8 +177,11 @@ class ForegroundDaemon(Daemon):
         return max(codes) if codes else None
 
     def _code(self, r: JobRunner) -> int:
-        if r.name in self.gave_up and self.interrupted is None:
-            return _NAGIOS.get(self.gave_up[r.name], 2)
+        last = [a for a in self.db.job_actions(r.name)
+                if a["what"] in ("start", "restart", "give_up", "interrupt")][-1:]
+        if last and last[0]["what"] == "give_up":  # stallwatch gave up: the verdict's code
+            inc = self.db.incident(last[0]["incident_id"]) if last[0]["incident_id"] else None
+            return _NAGIOS.get(inc["kind"] if inc else "crash", 2)
         if r.phase == "finished":
             return 0
         if r.exit_noted:
@@ -186,6 +203,13 @@ class ForegroundDaemon(Daemon):
     def run(self) -> int:
         super().run()
         return self.exit_code if self.exit_code is not None else 0
+
+
+def _signame(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
 
 
 def _bundle_pending(r: JobRunner) -> bool:

@@ -108,6 +108,7 @@ def status_doc(db: StateDB, state_dir: Path, job_names: list[str] | None = None,
             # too wide to watch (daemon/watchwarn.py).
             "watch_warnings": watch_warnings,
         }
+        doc["sparklines"] = _sparklines(meta.get(f"history:{name}"))
         if not supervised:
             doc["note"] = (f"attached by {row['mode']}: stallwatch did not start this job and "
                            "never restarts it")
@@ -185,6 +186,19 @@ def _signame(n: int) -> str:
         return f"signal {n}"
 
 
+def _sparklines(raw: str | None) -> str:
+    """The last minutes the daemon saved for this job (stallwatch.history), drawn; "" if none."""
+    if not raw:
+        return ""
+    from stallwatch.history import from_docs, sparkline_text, sparklines
+
+    try:
+        docs = json.loads(raw)
+    except ValueError:
+        return ""
+    return sparkline_text(sparklines(from_docs(docs if isinstance(docs, list) else [])))
+
+
 def exit_code(doc: dict[str, Any]) -> int:
     """Nagios convention, as diagnose: the worst job; 3 when no daemon is running."""
     if doc["daemon"]["running"] is False or not doc["jobs"]:
@@ -205,9 +219,24 @@ def _when(ts: float | None) -> str:
 
 
 def render_status(doc: dict[str, Any], console) -> None:
+    console.print(status_renderable(doc))
+
+
+def status_renderable(doc: dict[str, Any]):
+    """The status as one rich renderable: printed once, or refreshed in place (`--watch`)."""
+    from rich.console import Group
     from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
+    parts: list[Any] = []
+
+    class _Out:  # collects what the table-and-lines layout below prints
+        @staticmethod
+        def print(x: Any) -> None:
+            parts.append(Text.from_markup(x) if isinstance(x, str) else x)
+
+    console = _Out()
     d = doc["daemon"]
     state = {True: "[green]running[/]", False: "[red]not running[/]", None: "unknown"}[d["running"]]
     console.print(f"stallwatch daemon: {state}" + (f" (pid {d['pid']})" if d["running"] else "")
@@ -234,6 +263,11 @@ def render_status(doc: dict[str, Any], console) -> None:
         for w in j.get("watch_warnings") or ():
             console.print(f"[yellow]{escape(j['name'])}: warning:[/] {escape(w)}")
     for j in doc["jobs"]:
+        if j.get("sparklines"):
+            parts.append(Text(f"{j['name']}, the last minutes:", style="bold"))
+            parts.append(Text("\n".join("  " + x for x in j["sparklines"].splitlines()[:-1]),
+                              style="cyan"))
+    for j in doc["jobs"]:
         for inc in j["incidents"][-5:]:
             end = "open" if inc["resolved_at"] is None else f"resolved {_when(inc['resolved_at'])}"
             console.print(f"[bold]{j['name']}[/] #{inc['id']} {inc['kind']} "
@@ -243,4 +277,5 @@ def render_status(doc: dict[str, Any], console) -> None:
             for a in inc["actions"]:
                 console.print(f"    {_when(a['at'])} {a['what']}: {a['outcome']}")
     if doc.get("alerts"):
-        console.print(f"alerts: {json.dumps(doc['alerts'])[:500]}")
+        parts.append(Text(f"alerts: {json.dumps(doc['alerts'])[:500]}"))
+    return Group(*parts)

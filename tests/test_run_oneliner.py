@@ -1,0 +1,355 @@
+"""`stallwatch run -- COMMAND`, `watch`, `top`: real commands, a real pseudo-terminal read back
+through a terminal emulator (pyte), real faults (tests/jobs/pt_writer.py: a deadlock, a crash),
+a real Ctrl-C byte typed into the terminal, the loopback Slack receiver.
+
+Every wait is on what the screen, a pipe or the state database shows, with a deadline; the
+rules are the built-in ones with small thresholds (test_daemon_live.fast_rules).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import select
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pyte
+import pytest
+
+from stallwatch.history import from_docs, sparkline_text, sparklines
+from test_alerts_http import SLACK_PATH, receiver_factory  # noqa: F401 - a fixture
+from test_daemon_live import fast_rules
+
+ROOT = Path(__file__).resolve().parents[1]
+WRITER = ROOT / "tests" / "jobs" / "pt_writer.py"
+STALLWATCH = [sys.executable, "-m", "stallwatch"]
+COLS, ROWS = 110, 32
+
+pytestmark = pytest.mark.slow
+
+
+class Term:
+    """A command on a real pseudo-terminal; what it draws is fed to a VT100 emulator."""
+
+    def __init__(self, argv: list[str], cwd: Path, env: dict[str, str] | None = None) -> None:
+        self.screen = pyte.Screen(COLS, ROWS)
+        self.stream = pyte.ByteStream(self.screen)
+        self.raw = bytearray()
+        self.cond = threading.Condition()
+        self.status: int | None = None
+        full_env = dict(os.environ, TERM="xterm-256color", COLUMNS=str(COLS), LINES=str(ROWS),
+                        **(env or {}))
+        pid, fd = pty.fork()
+        if pid == 0:  # the child: the pty is its controlling terminal (Ctrl-C → SIGINT)
+            try:
+                os.chdir(cwd)
+                os.execvpe(argv[0], argv, full_env)
+            finally:
+                os._exit(127)
+        self.pid, self.fd = pid, fd
+        fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, COLS, 0, 0))
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                r, _, _ = select.select([self.fd], [], [], 1.0)
+                data = os.read(self.fd, 65536) if r else b"?"
+            except OSError:
+                data = b""
+            if data == b"?":
+                continue
+            with self.cond:
+                if data:
+                    self.raw += data
+                    self.stream.feed(data)
+                else:
+                    _, st = os.waitpid(self.pid, 0)
+                    self.status = os.waitstatus_to_exitcode(st)
+                self.cond.notify_all()
+            if not data:
+                return
+
+    def text(self) -> str:
+        with self.cond:
+            return "\n".join(line.rstrip() for line in self.screen.display)
+
+    def wait(self, pred: Callable[[str], Any], timeout: float, what: str) -> str:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                screen = "\n".join(line.rstrip() for line in self.screen.display)
+                if pred(screen):
+                    return screen
+                left = deadline - time.monotonic()
+                if left <= 0 or self.status is not None:
+                    raise AssertionError(f"{what}: not on the screen within {timeout:g} s "
+                                         f"(status {self.status}):\n{screen}")
+                self.cond.wait(left)
+
+    def type(self, data: bytes) -> None:
+        os.write(self.fd, data)
+
+    def exit_status(self, timeout: float) -> int:
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.status is not None, timeout):
+                raise AssertionError(f"still running after {timeout:g} s:\n{self.text()}")
+            return self.status
+
+    def kill(self) -> None:
+        if self.status is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def footer(screen: str) -> list[str]:
+    """The rows from the footer's rule to the bottom of the screen."""
+    rows = screen.split("\n")
+    for i in range(len(rows) - 1, -1, -1):
+        if rows[i].startswith("────"):
+            return rows[i + 1:]
+    return []
+
+
+def head_says(kind: str) -> Callable[[str], bool]:
+    return lambda s: any(r.startswith("stallwatch pt_writer") and f" {kind} " in r
+                         for r in footer(s))
+
+
+def writer(out: Path, *extra: str, count: int = 30, interval: float = 0.2) -> list[str]:
+    return [sys.executable, str(WRITER), "--out", str(out), "--count", str(count),
+            "--interval", str(interval), *extra]
+
+
+@pytest.fixture
+def rules(tmp_path: Path) -> Path:
+    return fast_rules(tmp_path / "rules")
+
+
+def db_rows(state: Path, sql: str) -> list[tuple]:
+    import sqlite3
+
+    con = sqlite3.connect(f"file:{state / 'stallwatch.db'}?mode=ro", uri=True)
+    try:
+        return con.execute(sql).fetchall()
+    finally:
+        con.close()
+
+
+# ------------------------------------------------------------------------------- on a terminal
+
+def test_terminal_footer_bar_verdict_change_and_resume(tmp_path: Path, rules: Path) -> None:
+    """The job's lines scroll above a footer with the verdict, a progress bar with rate, the
+    restarts and the last incident; a real deadlock turns the footer's verdict to hang; the
+    restart resumes the job to completion and stallwatch exits 0 with it."""
+    state, out = tmp_path / "state", tmp_path / "out"
+    t = Term([*STALLWATCH, "run", "--state-dir", str(state), "--rules", str(rules),
+              "--restart", "on-failure", "--startup-grace", "2", "--restart-backoff", "0.5", "--",
+              *writer(out, "--deadlock-at", "8", "--once", str(tmp_path / "fired"))], tmp_path)
+    try:
+        t.wait(head_says("healthy"), 20, "the footer saying healthy")
+        s = t.wait(lambda s: any("CPU " in r for r in footer(s)), 10, "the sparklines")
+        foot = footer(s)
+        bar = next(r for r in foot if r.startswith("progress ━") or r.startswith("progress ╸"))
+        assert "/30 (" in bar and "/s" in bar, bar  # done/total (percent) and the rate
+        above = s.split("────")[0]
+        assert "Generating Hidden States:" in above  # the job's own lines, above the footer
+        s = t.wait(head_says("hang"), 30, "the footer's verdict turning to hang")
+        assert "restarts 0/3" in "\n".join(footer(s))
+        s = t.wait(head_says("finished"), 60, "the job finishing after the restart")
+        assert t.exit_status(20) == 0
+        s = t.text()
+        foot = "\n".join(footer(s))
+        assert "restarts 1/3" in foot and "30/30 (100%)" in foot, foot
+        assert "last incident #1 hang" in foot, foot
+    finally:
+        t.kill()
+    # Unchanged: what the job wrote is in the log byte for byte, and went to the screen as is.
+    log = (state / "logs" / "pt_writer.log").read_bytes()
+    last = [ln for ln in log.split(b"\n") if b"30/30" in ln][-1]
+    assert last in bytes(t.raw)
+
+
+def test_ctrl_c_stops_the_job_like_its_own_and_nothing_restarts(tmp_path: Path) -> None:
+    """Ctrl-C typed on the terminal reaches the job (in its own session) as SIGINT: Python's
+    KeyboardInterrupt, exit by SIGINT, so stallwatch exits 130; no crash incident, no restart.
+    Meanwhile `stallwatch top` shows the job in a live table with its sparklines."""
+    state, out = tmp_path / "state", tmp_path / "out"
+    t = Term([*STALLWATCH, "run", "--state-dir", str(state), "--restart", "on-failure", "--",
+              *writer(out, count=500)], tmp_path)
+    top = None
+    try:
+        t.wait(head_says("healthy"), 20, "the footer saying healthy")
+        top = Term([*STALLWATCH, "top", "--state-dir", str(state), "--every", "0.5"], tmp_path)
+        s = top.wait(lambda s: "pt_writer" in s and "healthy" in s and "progress " in s, 20,
+                     "the live table with the job and its sparklines")
+        assert "the last minutes" in s
+        top.type(b"\x03")
+        assert top.exit_status(10) == 0
+        t.type(b"\x03")
+        assert t.exit_status(20) == 130
+        s = t.text()
+        assert "KeyboardInterrupt" in s  # the job's own traceback, passed through
+        assert "SIGINT passed to the job" in s
+    finally:
+        t.kill()
+        if top is not None:
+            top.kill()
+    (phase, detail, restarts), = db_rows(state, "select phase, phase_detail, restarts from jobs")
+    assert (phase, restarts) == ("stopped", 0) and "SIGINT" in detail, (phase, detail)
+    assert db_rows(state, "select count(*) from incidents") == [(0,)]
+
+
+# ----------------------------------------------------------------------------- no terminal
+
+def run_plain(args: list[str], cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*STALLWATCH, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def test_without_a_terminal_plain_lines_and_the_jobs_exit_status(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    p = run_plain(["run", "--state-dir", str(tmp_path / "s1"), "--",
+                   *writer(out, "--crash-at", "12", count=20, interval=0.2)], tmp_path)
+    assert p.returncode == 1, p.stderr  # the job's own status: it raised, exit 1
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("stallwatch: pt_writer: ")]
+    assert any(": healthy · " in ln for ln in lines), p.stderr
+    assert any(": crash (stopped)" in ln for ln in lines), p.stderr
+    assert "\x1b[" not in p.stderr and p.stdout == ""  # no footer, no pass-through
+    p = run_plain(["run", "--state-dir", str(tmp_path / "s2"), "--tee", "--",
+                   *writer(tmp_path / "out2", count=5, interval=0.1)], tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "5/5" in p.stdout  # --tee: the job's output on stdout
+    assert "stallwatch: pt_writer: finished" in p.stderr
+
+
+def test_print_config_runs_the_same_with_run_config(tmp_path: Path) -> None:
+    """A job that crashes every time, restart on-failure, one restart: the one-liner and its
+    printed config both restart it once, give up, and exit with the verdict's code, 2."""
+    args = ["--restart", "on-failure", "--max-restarts", "1", "--restart-backoff", "0.5",
+            "--name", "loop", "--",
+            *writer(tmp_path / "out", "--crash-always")]
+    results = []
+    for how in ("oneliner", "config"):
+        state = tmp_path / how
+        if how == "oneliner":
+            p = run_plain(["run", "--state-dir", str(state), *args], tmp_path)
+        else:
+            text = run_plain(["run", "--state-dir", str(state), "--print-config", *args],
+                             tmp_path).stdout
+            assert "exit_with_jobs = true" in text and 'restart = "on-failure"' in text, text
+            cfg = tmp_path / "loop.toml"
+            cfg.write_text(text)
+            p = run_plain(["run", "--config", str(cfg)], tmp_path)
+        assert p.returncode == 2, p.stderr
+        actions = [a for (a,) in db_rows(state, "select what from actions order by id")]
+        results.append((db_rows(state, "select phase, restarts from jobs"),
+                        [a for a in actions if a in ("start", "restart", "give_up")]))
+    assert results[0] == results[1] == ([("stopped", 1)], ["start", "restart", "give_up"])
+
+
+def test_slack_alert_and_evidence_carry_the_same_sparklines(tmp_path: Path, rules: Path,
+                                                           receiver_factory) -> None:
+    """A real deadlock: the Slack message and the evidence bundle show the last minutes as
+    sparklines, drawn from the history the bundle records; progress went up, then to zero."""
+    rx = receiver_factory()
+    state = tmp_path / "state"
+    err = open(tmp_path / "stderr", "w")
+    p = subprocess.Popen([*STALLWATCH, "run", "--state-dir", str(state), "--rules", str(rules),
+                          "--alert", f"slack={rx.url(SLACK_PATH)}", "--",
+                          *writer(tmp_path / "out", "--deadlock-at", "15", count=40,
+                                  interval=0.1)],
+                         cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=err)
+    try:
+        (req,) = rx.wait_for(1, timeout=40)
+        bundle = next(iter((state / "evidence").glob("pt_writer-*-hang")), None)
+        deadline = time.monotonic() + 30
+        while bundle is None or not (bundle / "README.txt").exists():
+            assert time.monotonic() < deadline, "no evidence bundle"
+            time.sleep(0.1)
+            bundle = next(iter((state / "evidence").glob("pt_writer-*-hang")), None)
+        # SIGTERM is passed to the job too (a deadlocked Python ignores SIGINT, as it would
+        # ignore its own Ctrl-C): it dies of it, and stallwatch exits as a shell would say it.
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(20) == 128 + signal.SIGTERM
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        err.close()
+    msg = req.json()
+    section = next(b["text"]["text"] for b in msg["blocks"]
+                   if b.get("text", {}).get("text", "").startswith("*Last minutes*"))
+    slack_rows = section.split("```")[1].splitlines()
+    history = json.loads((bundle / "history.json").read_text())
+    drawn = sparkline_text(sparklines(from_docs(history))).splitlines()
+    bundle_rows = (bundle / "sparklines.txt").read_text().splitlines()
+    assert bundle_rows == drawn  # the bundle's picture is its recorded history, drawn
+    assert slack_rows == drawn  # and so is the alert's (the same tick's history)
+    progress = next(r for r in drawn if r.startswith("progress "))
+    spark = progress.split()[1]
+    assert "█" in spark and spark.endswith("▁"), progress  # it ran, then it stopped
+    rates = [d for d in history if "done" in d]
+    assert rates[-1]["done"] == rates[-2]["done"] and rates[-1]["done"] >= 14
+
+
+# ---------------------------------------------------------------------------------- watch
+
+def watching(pid: int, state: Path, cwd: Path) -> tuple[subprocess.Popen, str]:
+    """`stallwatch watch --pid` without a terminal, read up to its first verdict line."""
+    w = subprocess.Popen([*STALLWATCH, "watch", "--pid", str(pid), "--state-dir", str(state)],
+                         cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    line = ""
+    for line in w.stderr:  # the daemon's log lines, then the view's lines
+        if line.startswith("stallwatch: pt_writer: ") and "unknown" not in line:
+            break
+    return w, line
+
+
+def test_watch_a_job_started_elsewhere(tmp_path: Path) -> None:
+    """`watch --pid`: plain lines with the verdict; when the job dies (SIGKILL, a real crash)
+    the watch exits 2. Ctrl-C of a watch ends the watch, never the job."""
+    job = subprocess.Popen(writer(tmp_path / "out", count=500), stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    w = None
+    try:
+        w, line = watching(job.pid, tmp_path / "w1", tmp_path)
+        assert line.startswith("stallwatch: pt_writer: healthy"), line
+        job.kill()  # not reaped until the watch has seen the exit: a zombie tells its status
+        rest = w.stderr.read()
+        assert w.wait(30) == 2, rest
+        assert "stallwatch: pt_writer: crash" in rest and "SIGKILL" in rest, rest
+    finally:
+        job.kill()
+        job.wait()
+        if w is not None and w.poll() is None:
+            w.kill()
+    job = subprocess.Popen(writer(tmp_path / "out2", count=500), stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    w = None
+    try:
+        w, line = watching(job.pid, tmp_path / "w2", tmp_path)
+        assert line.startswith("stallwatch: pt_writer: healthy"), line
+        w.send_signal(signal.SIGINT)
+        assert w.wait(20) == 0  # the verdict's code at that moment: healthy
+        assert job.poll() is None  # the job runs on
+    finally:
+        job.kill()
+        job.wait()
+        if w is not None and w.poll() is None:
+            w.kill()

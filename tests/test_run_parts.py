@@ -1,0 +1,137 @@
+"""The pure parts behind `stallwatch run`: the history and its sparklines, the one-liner's
+config (its TOML loads into the same Config), the footer's and plain lines' text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stallwatch.config import parse_config
+from stallwatch.errors import UsageError
+from stallwatch.history import (BARS, NO_DATA, History, Sample, buckets, from_docs, series,
+                                spark, sparkline_text, sparklines)
+from stallwatch.live import footer_text, plain_line
+from stallwatch.oneliner import OneLiner, alert_table, job_name, to_toml
+
+
+# ------------------------------------------------------------------------------------ history
+
+def test_spark_scales_to_the_top_and_leaves_gaps_blank() -> None:
+    assert spark([0, 1, 2, 4]) == BARS[0] + BARS[2] + BARS[4] + BARS[-1]
+    assert spark([None, 0.0, None]) == NO_DATA + BARS[0] + NO_DATA
+    assert spark([0.0, 0.0]) == BARS[0] * 2  # all zero: flat at the bottom, not blank
+
+
+def test_rates_come_from_counters_and_never_across_a_reset() -> None:
+    s = [Sample(t=0, done=0, io_bytes=0), Sample(t=2, done=10, io_bytes=4096),
+         Sample(t=3, done=2, io_bytes=100), Sample(t=4, done=5, io_bytes=200)]
+    ser = series(s)
+    assert [v for _, v in ser["rate"]] == [None, 5.0, None, 3.0]  # the restart: no rate
+    assert [v for _, v in ser["io"]] == [None, 2048.0, None, 100.0]
+
+
+def test_buckets_average_by_time_and_mark_empty_ones() -> None:
+    pts = [(0.0, 1.0), (1.0, 3.0), (9.0, 8.0)]
+    assert buckets(pts, end_t=10.0, window_s=10.0, width=5) == [2.0, None, None, None, 8.0]
+
+
+def test_sparklines_show_a_stop_and_round_trip_through_their_docs() -> None:
+    h = History(keep=100)
+    for i in range(60):
+        stopped = i >= 40
+        h.add(Sample(t=1000.0 + i, done=120.0 if stopped else i * 3.0,
+                     cpu_cores=0.0 if stopped else 0.9, gpu_util_pct=2.0 if stopped else 95.0))
+    h.add(Sample(t=1000.0, done=0.0))  # a step back in time is dropped
+    rows = sparklines(list(h.samples), window_s=300.0, width=30)
+    by = {r["key"]: r for r in rows}
+    assert set(by) == {"rate", "cpu", "gpu"}  # no GPU memory, no I/O: no rows for them
+    assert by["rate"]["spark"].startswith(BARS[-1]) and by["rate"]["spark"].endswith(BARS[0])
+    assert by["rate"]["now"] == 0.0 and by["rate"]["max"] == pytest.approx(3.0)
+    assert by["gpu"]["now_text"] == "2%" and by["gpu"]["max_text"] == "95%"
+    text = sparkline_text(rows)
+    assert text == sparkline_text(sparklines(from_docs(h.docs()), 300.0, 30))
+    assert text.endswith("(the last 59 s, oldest on the left)")
+
+
+# ---------------------------------------------------------------------------------- one-liner
+
+@pytest.mark.parametrize("argv, name", [
+    (["python", "extract.py", "--out", "x"], "extract"),
+    (["torchrun", "--nproc_per_node", "8", "scripts/prepare_hidden_states.py"], "8"),
+    (["torchrun", "--nproc_per_node=8", "scripts/prepare_hidden_states.py"], "prepare_hidden_states"),
+    (["python3.11", "-m", "mod"], "mod"),
+    (["./run it.sh"], "run-it"),
+    (["/usr/bin/sleep", "10"], "sleep"),
+])
+def test_job_name_is_the_scripts(argv: list[str], name: str) -> None:
+    assert job_name(argv) == name
+
+
+def test_alert_specs() -> None:
+    assert alert_table("slack") == {"type": "slack"}
+    assert alert_table("webhook=https://h/x") == {"type": "webhook", "url": "https://h/x"}
+    assert alert_table("command=notify-send 'a b'") == {"type": "command",
+                                                        "argv": ["notify-send", "a b"]}
+    with pytest.raises(UsageError, match="expected slack"):
+        alert_table("pager=1")
+    with pytest.raises(UsageError, match="URL is missing"):
+        alert_table("webhook")
+
+
+def test_the_printed_toml_loads_into_the_job_it_stands_for(tmp_path: Path) -> None:
+    ol = OneLiner(name="extract", state_dir=tmp_path / "st",
+                  command=["python", "x.py", 'a "quoted" arg', "tab\there", "ünï"],
+                  cwd=tmp_path, log=tmp_path / "x.log", restart="on-failure", max_restarts=5,
+                  startup_grace_s=2.5, restart_backoff_s=0.5, rules=[tmp_path / "r"],
+                  progress_regex=r"(?P<done>\d+)/(?P<total>\d+)",
+                  alerts=[{"type": "command", "argv": ["echo", "hi"]}], interval_s=0.5)
+    text = to_toml(ol.tables(), header="a header\nof two lines")
+    assert text.startswith("# a header\n# of two lines\n\n[daemon]\n")
+    cfg = parse_config(text, "printed")
+    j = cfg.job[0]
+    assert j.command == ("python", "x.py", 'a "quoted" arg', "tab\there", "ünï")
+    assert (j.name, j.restart, j.max_restarts, j.startup_grace_s, j.restart_backoff_s) == \
+        ("extract", "on-failure", 5, 2.5, 0.5)
+    assert j.cwd == tmp_path and j.log == tmp_path / "x.log" and j.rules == (tmp_path / "r",)
+    assert j.progress_regex == r"(?P<done>\d+)/(?P<total>\d+)"
+    assert cfg.daemon.exit_with_jobs and cfg.daemon.interval_s == 0.5
+    assert cfg.state_dir == tmp_path / "st"
+    assert cfg.alerts[0].argv == ("echo", "hi")
+
+
+# ------------------------------------------------------------------------------------- views
+
+def view(**over) -> dict:
+    v = {"name": "extract", "phase": "running", "detail": "", "verdict": "healthy",
+         "summary": "", "pid": 4242, "run": 1, "supervised": True, "restarts": 1,
+         "max_restarts": 3, "progress": {"done": 120.0, "total": 1000.0, "rate_per_s": 3.2,
+                                         "eta_s": 275.0, "idle_s": 0.4},
+         "ranks": [], "gpus": [{"index": 0, "util_pct": 97.0, "mem_used_bytes": 2 ** 34,
+                                "mem_total_bytes": 2 ** 37}],
+         "incident": None, "sparks": []}
+    v.update(over)
+    return v
+
+
+def test_plain_line() -> None:
+    assert plain_line(view()) == ("stallwatch: extract: healthy · 120/1,000 (12%) · 3.2/s · "
+                                  "ETA 4 min 35 s · GPU0 97% 16.0 GiB · restarts 1/3")
+    line = plain_line(view(verdict="hang", summary="no progress for 40 s",
+                           progress={"done": 5.0, "total": None, "rate_per_s": None,
+                                     "eta_s": None, "idle_s": 40.0}, gpus=[]))
+    assert line == ("stallwatch: extract: hang · 5 · no progress for 40.0 s · restarts 1/3 — "
+                    "no progress for 40 s")
+
+
+def test_footer_rows_fit_the_width_and_show_each_rank() -> None:
+    ranks = [{"rank": r, "done": float(d), "total": 100.0, "rate_per_s": 1.0, "eta_s": 9.0,
+              "idle_s": 0.0} for r, d in ((0, 50), (1, 20))]
+    rows = footer_text([view(verdict="slow", ranks=ranks)], width=72, color=False)
+    assert rows[0] == "─" * 72
+    assert rows[1].startswith("stallwatch extract   slow   pid 4242 run 1  restarts 1/3")
+    assert [r.split()[0:2] for r in rows[2:5]] == [["progress", rows[2].split()[1]],
+                                                   ["rank", "0"], ["rank", "1"]]
+    assert "50/100 (50%)" in rows[3] and "20/100 (20%)" in rows[4]
+    assert rows[5] == "GPU0 97% 16.0 GiB/128.0 GiB"
+    assert all(len(r) <= 72 for r in rows)
