@@ -31,7 +31,10 @@ def job_name(command: list[str]) -> str:
     """A job name from the command: the script's name rather than the interpreter's
     (`torchrun … scripts/prepare_hidden_states.py` → prepare_hidden_states)."""
     pick = command[0] if command else "job"
-    for a in command:
+    scripts = [a for a in command if re.search(r"\.(py|sh)$", a) and not a.startswith("-")]
+    if "-m" in command[:-1]:
+        scripts.insert(0, command[command.index("-m") + 1])
+    for a in scripts or command:
         base = os.path.basename(a)
         if a.startswith("-") or "=" in a:
             continue

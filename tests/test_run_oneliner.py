@@ -353,3 +353,37 @@ def test_watch_a_job_started_elsewhere(tmp_path: Path) -> None:
         job.wait()
         if w is not None and w.poll() is None:
             w.kill()
+
+
+# ------------------------------------------------------------------------- torchrun, one line
+
+def test_one_line_resumes_a_deadlocked_torchrun_rank_to_completion(tmp_path: Path,
+                                                                  rules: Path) -> None:
+    """`stallwatch run --restart on-failure -- torchrun …`: the SpecForge-shaped job (3 ranks,
+    gloo on CPU) deadlocks in rank 1 mid-write; stallwatch calls it a hang, kills the whole tree,
+    moves the half-written file aside, restarts it, and the resumed job completes: every sample
+    written once and whole, exit 0."""
+    torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[test]')")
+    pytest.importorskip("tqdm", reason="needs tqdm (a test dependency)")
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip(f"no torchrun beside {sys.executable}")
+    out, state = tmp_path / "hs", tmp_path / "state"
+    job = ROOT / "tests" / "jobs" / "specforge_job.py"
+    p = subprocess.run(
+        [*STALLWATCH, "run", "--state-dir", str(state), "--rules", str(rules), "--restart",
+         "on-failure", "--restart-backoff", "0.5", "--startup-grace", "20", "--outputs", str(out),
+         "--", str(torchrun), "--nproc_per_node", "3", str(job), "--output-path", str(out),
+         "--num-samples", "36", "--batch-size", "4", "--batch-s", "0.2", "--fault", "deadlock",
+         "--fault-rank", "1", "--fault-batch", "2"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "stallwatch: specforge_job: hang" in p.stderr, p.stderr[-3000:]
+    (phase, restarts), = db_rows(state, "select phase, restarts from jobs")
+    assert (phase, restarts) == ("finished", 1)
+    assert [k for (k,) in db_rows(state, "select kind from incidents")] == ["hang"]
+    files = sorted((out / "rows_0-2000").glob("data_*.ckpt"))
+    assert len(files) == 36
+    for f in files:  # whole: torch reads every one back
+        torch.load(f, weights_only=True)

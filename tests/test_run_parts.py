@@ -58,9 +58,11 @@ def test_sparklines_show_a_stop_and_round_trip_through_their_docs() -> None:
 
 @pytest.mark.parametrize("argv, name", [
     (["python", "extract.py", "--out", "x"], "extract"),
-    (["torchrun", "--nproc_per_node", "8", "scripts/prepare_hidden_states.py"], "8"),
+    (["torchrun", "--nproc_per_node", "8", "scripts/prepare_hidden_states.py"],
+     "prepare_hidden_states"),
     (["torchrun", "--nproc_per_node=8", "scripts/prepare_hidden_states.py"], "prepare_hidden_states"),
-    (["python3.11", "-m", "mod"], "mod"),
+    (["python3.11", "-m", "mod", "--x", "a.py"], "mod"),
+    (["uv", "run", "worker", "--n", "3"], "run"),
     (["./run it.sh"], "run-it"),
     (["/usr/bin/sleep", "10"], "sleep"),
 ])

@@ -114,6 +114,11 @@ class Daemon:
         self._reload = True
         self._wake()
 
+    def next_interval(self, interval: float) -> float:
+        """Seconds to the next tick (the foreground daemon ticks faster until its first
+        verdict: the person at the terminal is waiting for it)."""
+        return interval
+
     def before_jobs(self) -> None:
         """Called once the state database is open and locked, before the jobs are taken over."""
 
@@ -249,7 +254,7 @@ class Daemon:
                 now = self.clock.monotonic()
                 if now >= next_tick:
                     self.tick()
-                    next_tick += interval
+                    next_tick += self.next_interval(interval)
                     if next_tick <= self.clock.monotonic():
                         next_tick = self.clock.monotonic() + interval  # late: skip, don't burst
             return 0
@@ -500,7 +505,8 @@ class Daemon:
                 pass
         self._r = self._w = -1
         self.notifier.close()
-        log.info("stallwatch daemon stopped; jobs left running")
+        log.info("stallwatch daemon stopped" + ("" if self.config.daemon.exit_with_jobs
+                                                else "; jobs left running"))
 
 
 def _jsonable(x: Any) -> Any:

@@ -34,7 +34,9 @@ __all__ = ["ForegroundDaemon", "exit_status"]
 
 _PASSED = (signal.SIGINT, signal.SIGTERM)
 _NAGIOS = {"healthy": 0, "finished": 0, "slow": 1, "unknown": 3}
-_GONE_S = 5.0  # a watched job gone this long ends the watch whatever the verdict says
+_GONE_S = 5.0
+QUICK_TICK_S = 0.25
+QUICK_FOR_S = 10.0  # a watched job gone this long ends the watch whatever the verdict says
 
 
 def exit_status(returncode: int | None) -> int:
@@ -92,6 +94,13 @@ class ForegroundDaemon(Daemon):
             self.view.note(f"{name} passed to the job; waiting for it to end")
 
     # ------------------------------------------------------------------------------ ticks
+
+    def next_interval(self, interval: float) -> float:
+        """Quick ticks (QUICK_TICK_S) while a job has no verdict yet, for at most QUICK_FOR_S:
+        the job's first progress line is judged when it appears, not up to a tick later."""
+        quick = (self.ticks * QUICK_TICK_S < QUICK_FOR_S and any(
+            r.verdict is None or r.verdict.kind == "unknown" for r in self.jobs.values()))
+        return min(interval, QUICK_TICK_S) if quick else interval
 
     def before_jobs(self) -> None:
         """A job that ended (finished, stopped, given up) under an earlier run of this command
