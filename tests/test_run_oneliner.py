@@ -226,7 +226,7 @@ def test_without_a_terminal_plain_lines_and_the_jobs_exit_status(tmp_path: Path)
                    *writer(out, "--crash-at", "12", count=20, interval=0.2)], tmp_path)
     assert p.returncode == 1, p.stderr  # the job's own status: it raised, exit 1
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("stallwatch: pt_writer: ")]
-    assert any(": healthy · " in ln for ln in lines), p.stderr
+    assert any(ln.startswith("stallwatch: pt_writer: healthy") for ln in lines), p.stderr
     assert any(": crash (stopped)" in ln for ln in lines), p.stderr
     assert "\x1b[" not in p.stderr and p.stdout == ""  # no footer, no pass-through
     p = run_plain(["run", "--state-dir", str(tmp_path / "s2"), "--tee", "--",
