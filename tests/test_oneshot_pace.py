@@ -106,7 +106,8 @@ def results() -> dict[str, tuple[Job, Diagnosis]]:
                 jobs.append(Job(style, stall, proc, log))
         stuck = [j for j in jobs if j.stall]
         healthy = [j for j in jobs if not j.stall]
-        with ThreadPoolExecutor(4) as pool:
+        # diagnose mostly waits out its 3 s window: seven at once share two cores well
+        with ThreadPoolExecutor(7) as pool:
             # Healthy jobs: diagnosed once they have a few seconds of history, while the stuck age.
             wait_until(lambda: all(j.log.exists() and j.done() >= 3 * PER_S for j in healthy), 60,
                        "healthy jobs to log 3 s of progress")
