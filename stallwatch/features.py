@@ -456,11 +456,15 @@ def _job_ranks(procs: list[ProcessObs], logv: dict[str, Any], who: str) -> dict[
     tp = world // len(bars) if bars and world % len(bars) == 0 else 1
     log_path = logv.get("path", "")
     rows = []
+    # never left the run queue (probes/runqueue.py): spinning whatever share of a core it got;
+    # when every rank does (NCCL busy-waits), nobody stands out
+    runnable = {p.pid: _runnable_s(p) for p in ranked}
+    lone = sum(1 for v in runnable.values() if v) < len(ranked)
     for p in ranked:
         r = p.rank.rank
         bar = bars.get(r // tp) if r % tp == 0 else None
         others = max(((o.cpu_util or 0.0) for o in ranked if o is not p), default=0.0)
-        score, what = _rank_trouble(p, log_path, others)
+        score, what = _rank_trouble(p, log_path, others, runnable[p.pid] if lone else 0.0)
         if score == 0 and logv.get("bar_stalled") and bar is not None \
                 and bar["position"] == logv["bar_stalled_position"]:
             score, what = 2, f"its bar stopped at {bar['text']}"
@@ -501,7 +505,15 @@ SPIN_MIN_CPU = 0.1
 SPIN_OVER_OTHERS = 5.0
 
 
-def _rank_trouble(p: ProcessObs, log_path: str, others_cpu: float) -> tuple[int, str]:
+def _runnable_s(p: ProcessObs) -> float:
+    """How long its longest-runnable thread never left the run queue (0: none did)."""
+    return max((t.runqueue.runnable_for_s for t in p.threads if t.runqueue is not None
+                and t.runqueue.samples >= 2 and t.runqueue.runnable_for_s >= SPIN_MIN_S),
+               default=0.0)
+
+
+def _rank_trouble(p: ProcessObs, log_path: str, others_cpu: float,
+                  runnable_s: float = 0.0) -> tuple[int, str]:
     threads = p.threads
     if p.state in ("T", "t"):
         return 6, "is stopped (SIGSTOP or a debugger)"
@@ -513,8 +525,11 @@ def _rank_trouble(p: ProcessObs, log_path: str, others_cpu: float) -> tuple[int,
         on = f" on {t.syscall_file}" if t.syscall_file else ""
         return 5, f"has {len(d)} thread(s) in D (wchan {t.wchan or '?'}, syscall {t.syscall or '?'}{on})"
     cpu = p.cpu_util or 0.0
+    if runnable_s:
+        return 4, (f"spins at {round(cpu * 100)} % of a core (a thread never left the run queue "
+                   f"for {runnable_s:.0f} s)")
     if cpu >= SPIN_MIN_CPU and cpu >= SPIN_OVER_OTHERS * others_cpu and any(t.state == "R" for t in threads):
-        return 4, f"spins at {round((p.cpu_util or 0.0) * 100)} % of a core"
+        return 4, f"spins at {round(cpu * 100)} % of a core"
     writing = [f for f in p.open_files if f.write and f.fd > 2 and f.path.startswith("/")
                and not f.path.startswith(("/dev/", "/proc/", "/sys/")) and f.path != log_path
                and not f.path.endswith((".log", ".txt", ".out"))]
