@@ -168,3 +168,16 @@ def test_status_files_are_read_only_when_provably_the_wrappers(tmp_path: Path) -
     if os.geteuid() == 0:
         os.chown(f, 65534, 65534)  # someone else's file in our directory
         assert read_status(f) is None
+
+
+def test_systemd_run_hands_the_user_and_the_log_to_the_wrapper(tmp_path: Path) -> None:
+    from stallwatch.daemon.supervise import RunAs
+
+    who = RunAs(uid=1234, gid=1235, groups=(1235, 27), name="alice", home="/home/alice")
+    argv = systemd_run_argv("extract", 3, tmp_path / "s.json", ("python", "x.py"), None,
+                            Path("/home/alice/x.log"), {"PATH": "/usr/bin"}, run_as=who)
+    tail = argv[argv.index("--") + 1:]
+    i = tail.index("--uid")
+    assert tail[i:i + 6] == ["--uid", "1234", "--gid", "1235", "--groups", "1235,27"]
+    assert "--log" in tail and "--admin-log" not in tail
+    assert not any(a.startswith("User=") for a in argv)  # the wrapper stays root: runs/ is root's

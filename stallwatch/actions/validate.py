@@ -579,11 +579,18 @@ def _walk(out_fd: int, out_dir: Path, patterns: Collection[str], since_wall: flo
             continue
         try:
             for entry in safefs.fd_dir(dfd):
+                # d_type first (no system call): a name is stat'ed only when it is a directory
+                # or matches a pattern, as on a 10^6-file tree most names do not.
+                is_dir = entry.is_dir(follow_symlinks=False)
+                if not is_dir:
+                    scanned += 1
+                    if not _matches(entry.name, patterns):
+                        continue
                 try:
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                if _stat.S_ISDIR(st.st_mode):
+                if is_dir:
                     if (st.st_dev, st.st_ino) == skip_ident:
                         continue  # the quarantine, inside the tree
                     if len(parts) + 1 > max_depth:
@@ -592,8 +599,7 @@ def _walk(out_fd: int, out_dir: Path, patterns: Collection[str], since_wall: flo
                         continue
                     stack.append((*parts, entry.name))
                     continue
-                scanned += 1
-                if not _stat.S_ISREG(st.st_mode) or not _matches(entry.name, patterns):
+                if not _stat.S_ISREG(st.st_mode):
                     continue  # symlinks, FIFOs, devices: not outputs the job wrote
                 if since_wall is None or st.st_mtime >= since_wall:
                     found[(*parts, entry.name)] = _Found(st.st_mtime, (st.st_dev, st.st_ino))
