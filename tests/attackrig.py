@@ -115,18 +115,42 @@ def unit_writable_paths(unit: Path = UNIT) -> list[str]:
     return list(dict.fromkeys(paths))
 
 
-def require_root_rig() -> None:
+_probed: dict[str, str] = {}  # what was found once per session: the python, or why none
+
+
+def require_root_rig(mode: str = "setsid") -> str:
+    """Skip (with the reason) unless the rig can run here; returns a python3 that uid 65534 can
+    execute (the worktree's venv may lie under a directory it cannot reach)."""
     if os.geteuid() != 0:
         pytest.skip("needs root: the attacks run as uid 65534 against a root daemon")
     for tool in ("setpriv", "unshare"):
         if shutil.which(tool) is None:
             pytest.skip(f"needs {tool} (util-linux) to run the job as uid 65534 / the unit's view")
+    if "python" not in _probed:
+        _probed["python"] = ""
+        for cand in dict.fromkeys(filter(None, (shutil.which("python3", path=p) for p in
+                                                ("/usr/bin", "/bin", "/usr/local/bin")))):
+            r = subprocess.run(AttackRig.as_user(cand, "-c", "pass"), capture_output=True,
+                               timeout=60)
+            if r.returncode == 0:
+                _probed["python"] = cand
+                break
+    if not _probed["python"]:
+        pytest.skip("no python3 that uid 65534 can run (/usr/bin, /bin, /usr/local/bin)")
+    if mode == "unit" and "unshare" not in _probed:
+        r = subprocess.run(["unshare", "-m", "--propagation", "private", "true"],
+                           capture_output=True, text=True, timeout=60)
+        _probed["unshare"] = "" if r.returncode == 0 else (r.stderr.strip() or "refused")
+    if mode == "unit" and _probed["unshare"]:
+        pytest.skip(f"no private mount namespace here (unshare -m: {_probed['unshare']}): "
+                    "the unit's view cannot be emulated")
+    return _probed["python"]
 
 
 class AttackRig:
     def __init__(self, mode: str, *, interval_s: float = 0.2) -> None:
         assert mode in MODES, mode
-        require_root_rig()
+        self.python = require_root_rig(mode)  # the job's interpreter
         self.mode = mode
         self.interval_s = interval_s
         self.base = Path(tempfile.mkdtemp(prefix=f"swatk-{mode}-"))
@@ -148,9 +172,6 @@ class AttackRig:
         self.extra_writable: list[Path] = []
         self.daemon: subprocess.Popen | None = None
         self.daemon_log_path = self.admin / "daemon.log"
-        # The job's interpreter: the system's, which nobody may run (the worktree's venv may
-        # lie where uid 65534 cannot reach).
-        self.python = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
 
     # -------------------------------------------------------------------------- the user side
 
