@@ -142,6 +142,10 @@ def freeze_after_progress(fs) -> Callable[[Path, Path], None]:
     return fault
 
 
+def saw_nan(out: Path, log: Path) -> None:
+    wait_for(lambda: "Warning: NaN found" in log.read_text(errors="replace"), 120, "the NaN")
+
+
 SCENARIOS = {
     # DP ranks: rank 1's writer deadlocks half-way through a file; ranks 0 and 2 finish their
     # bars and wait at the barrier
@@ -159,6 +163,8 @@ def scenarios(tmp_path_factory) -> dict[str, Any]:
         futs = {name: pool.submit(run_scenario, tmp_path_factory.mktemp(name), args)
                 for name, args in SCENARIOS.items()}
         futs["io_stall"] = pool.submit(_io_stall, tmp_path_factory.mktemp("io_stall"))
+        futs["nan"] = pool.submit(run_scenario, tmp_path_factory.mktemp("nan"), ("--nan-at", "50"),
+                                  fault=saw_nan)
         for name, f in futs.items():
             try:
                 results[name] = f.result()
@@ -227,3 +233,18 @@ def test_writer_in_d_on_a_frozen_filesystem_is_io_stall(scenarios) -> None:
     assert row["t_wall"] - last_progress_wall(sc) <= 30.0
     in_d = {r["pid"] for v in sc["features"] for r in v["job"]["ranks"] if "in D" in r["what"]}
     assert in_d and any(named(row, pid) for pid in in_d)
+
+
+def test_a_nan_sample_is_skipped_and_the_run_finishes_only_when_every_rank_did(scenarios) -> None:
+    sc = get(scenarios, "nan")
+    never_server_or_early_finish(sc)
+    assert not any(r["kind"] in ("hang", "crash", "io_stall") for r in sc["rows"])
+    # not stallwatch's child: `finished` comes from the log alone (every bar closed at its
+    # total and one closing line per rank), and only once the job is gone
+    last, v = sc["rows"][-1], sc["features"][-1]
+    assert v["job"]["exited"] and last["kind"] == "finished", last["summary"]
+    assert v["log"]["bar_count"] == 3 and v["log"]["complete"]
+    alive_complete = [f for f in sc["features"] if f["job"]["alive"] and f["log"]["complete"]]
+    assert all(f["log"]["bars"] and all(b["complete"] for b in f["log"]["bars"])
+               for f in alive_complete)
+    assert "Skipping save." in sc["log"]
