@@ -22,6 +22,7 @@ from stallwatch.probes.outputs import OutputsProbe
 from stallwatch.probes.processes import ProcessesObs, ProcessesProbe
 from stallwatch.probes.server import ServerProbe
 from stallwatch.probes.server_log import ServerLogProbe, stdio_log
+from stallwatch.sglang.titles import parse_title
 from stallwatch.roots import DEFAULT_ROOTS, Roots
 from stallwatch.snapshot import Snapshot
 from stallwatch.targets import Target
@@ -111,8 +112,13 @@ class Collector:
         )
 
     def _find_server_log(self, sp: ProcessesObs | None) -> None:
-        """No server_log configured: the listening process's stdout/stderr, when a file."""
-        if self.server_log is None or self.server_log.path is not None or sp is None:
+        """No server_log configured: the listening process's stdout/stderr, when a file. And
+        the schedulers' rank labels, which the log's crash lines name only by index."""
+        if self.server_log is None or sp is None:
+            return
+        self.server_log.note_schedulers({p.pid: t.label for p in sp.processes
+                                         if (t := parse_title(p.cmdline)) is not None and t.role == "scheduler"})
+        if self.server_log.path is not None:
             return
         root = next((p for p in sp.processes if p.pid == self.server_processes.pid), None) \
             if self.server_processes is not None else None

@@ -918,7 +918,7 @@ def _activity(v: dict[str, Any]) -> dict[str, Any]:
     if v["outputs"]["present"] and v["outputs"]["change_age_s"] >= 0:
         ages.append((v["outputs"]["change_age_s"], "outputs"))
     if v["server"]["busy"]:  # the job waits on a server whose every rank is computing
-        ages.append((0.0, "the server's schedulers (every rank running a batch)"))
+        ages.append((0.0, "the server's ranks"))
     # CPU alone is not counted as work: a busy loop spins without progress, and that is a hang.
     age, what = min(ages, default=(-1.0, ""))
     # A stopped job (every process in T) works no more, whatever moved just before it stopped.

@@ -122,13 +122,15 @@ BUSY_MIN_S = 2.0  # a rank seen in R this long, not a wake-up caught by one samp
 
 def server_busy(server: dict[str, Any], client: dict[str, Any]) -> bool:
     """One long batch, not a hang (a large return_hidden_states prefill copies T×H rows to the
-    CPU inside the loop): the client is blocked reading its request's answer, every scheduler
-    rank has stayed on the CPU (state R: running or runnable, whatever its share of a loaded
-    machine) for BUSY_MIN_S, none is stuck or gone, and the gauges, when known, do not say the
-    server is empty (an idle SGLang scheduler may spin too). Bounded by the watchdog: past its
-    timeout SGLang itself calls the batch stuck."""
+    CPU inside the loop): the client waits for its answer — blocked reading the socket, or (a
+    client with a socket timeout sleeps in poll) asleep while the gauges say a request runs —
+    every scheduler rank has stayed on the CPU (state R: running or runnable, whatever its share
+    of a loaded machine) for BUSY_MIN_S, none is stuck or gone, and the gauges, when known, do
+    not say the server is empty (an idle SGLang scheduler may spin too). Bounded by the
+    watchdog: past its timeout SGLang itself calls the batch stuck."""
     ranks = server.get("ranks") or []
-    if not ranks or server.get("ranks_gone") or not client.get("blocked"):
+    running = server.get("metrics_ok") and server.get("running_reqs", -1.0) > 0
+    if not ranks or server.get("ranks_gone") or not (client.get("blocked") or (client.get("waiting") and running)):
         return False
     if any(r.get("stuck") or r["state"] != "R" or r.get("state_for_s", 0.0) < BUSY_MIN_S for r in ranks):
         return False

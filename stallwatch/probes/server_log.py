@@ -67,6 +67,9 @@ class ServerLogProbe:
         self._state = LogState()
         self._seen_at: dict[int, float] = {}  # id(event) -> when read
         self._lines = 0
+        # pid -> rank label of the schedulers seen alive: SGLang's crash line names a rank by its
+        # index (scheduler_2), and by the time it is read the tree may be gone.
+        self._labels: dict[int, str] = {}
         if path is not None:
             self._follower = LogFollower(path, initial_tail_bytes=256 << 10, chunk_budget_bytes=1 << 20,
                                          reader=reader)
@@ -83,6 +86,11 @@ class ServerLogProbe:
         self._follower = LogFollower(path, initial_tail_bytes=256 << 10, chunk_budget_bytes=1 << 20,
                                      reader=(uid, frozenset(gids)))
         self._discovered, self._how = True, how
+
+    def note_schedulers(self, labels: dict[int, str]) -> None:
+        self._labels.update(labels)
+        while len(self._labels) > 1024:
+            self._labels.pop(next(iter(self._labels)))
 
     def collect(self) -> ServerLogObs:
         if self._follower is None:
@@ -115,7 +123,8 @@ class ServerLogProbe:
     def _event(self, ev: LogEvent | None, now: float) -> ServerLogEvent | None:
         if ev is None:
             return None
-        return ServerLogEvent(kind=ev.kind, line=ev.line, rank=ev.rank, timeout_s=ev.timeout_s, soft=ev.soft,
+        rank = ev.rank or (self._labels.get(ev.pid, "") if ev.pid is not None else "")
+        return ServerLogEvent(kind=ev.kind, line=ev.line, rank=rank, timeout_s=ev.timeout_s, soft=ev.soft,
                               name=ev.name, pid=ev.pid, exit_code=ev.exit_code,
                               age_s=now - self._seen_at.get(id(ev), now))
 

@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--io-workers", type=int, default=1, help="background writer threads (0: write inline)")
     a("--max-pending-io", type=int, default=4, help="queued writes before generation waits")
     a("--timeout-s", type=float, default=600.0, help="per request socket timeout")
+    a("--retry-s", type=float, default=0.0,
+      help="retry a request whose connection failed (refused, reset) for this long, as clients "
+           "with retrying HTTP sessions do; 0: fail at once")
     a("--log", default=None, help="also append progress and messages to this file")
     a("--fault", choices=["hang", "crash", "io", "hang_mid_write"], default=None,
       help="hang: deadlock; crash: raise; io: write that sample to --io-path; hang_mid_write: "
@@ -235,11 +238,12 @@ def make_sample(idx: int, seq_len: int, vocab: int, seed: int) -> tuple[list[int
 class Generator:
     """One HTTP connection per thread; POST /generate with a long timeout."""
 
-    def __init__(self, server: str, timeout_s: float) -> None:
+    def __init__(self, server: str, timeout_s: float, retry_s: float = 0.0) -> None:
         u = urlsplit(server if "//" in server else f"http://{server}")
         self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
         self.prefix = u.path.rstrip("/")
         self.timeout_s = timeout_s
+        self.retry_s = retry_s
         self._local = threading.local()
 
     def _conn(self) -> http.client.HTTPConnection:
@@ -249,6 +253,16 @@ class Generator:
         return c
 
     def generate(self, batch: list[list[int]]) -> list[dict]:
+        deadline = time.monotonic() + self.retry_s
+        while True:
+            try:
+                return self._generate(batch)
+            except ConnectionError:  # refused, reset, closed without an answer
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.5)
+
+    def _generate(self, batch: list[list[int]]) -> list[dict]:
         body = {"input_ids": batch, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
                 "return_hidden_states": True}
         data = json.dumps(body).encode()
@@ -314,7 +328,7 @@ class Extraction:
         self.err = err
         self.out = Path(args.out)
         self.use_torch = ptfile.torch_available()
-        self.gen = Generator(args.server, args.timeout_s)
+        self.gen = Generator(args.server, args.timeout_s, args.retry_s)
         self.processed = self.skipped = 0
         self.io_futures: deque[Future] = deque()
         self.io_pool = ThreadPoolExecutor(args.io_workers, thread_name_prefix="save") if args.io_workers > 0 else None

@@ -263,13 +263,21 @@ class Scheduler:
                 self._decode_step()
             self.watchdog.forward_ct += 1
             self.watchdog.in_batch = False
+            self.group_counts = (len(self.running) + (1 if self.chunked else 0), len(self.waiting))
             self._report()
             self._check_fault()
 
     def _send_plan(self, ops: list) -> None:
-        self.group_counts = (len(self.running) + (1 if self.chunked else 0), len(self.waiting))
+        stepping = {rid for kind, rid, _ in ops if kind != "free"}
+        if stepping:  # a batch starts: its counts are the gauges now, as upstream logs them first
+            self.group_counts = (len(stepping | {r.rid for r in self.running}), len(self.waiting))
         for conn in self.plan_outs:
-            conn.send(("step", ops, self.n_finished, self.armed, self.long_s, self.group_counts))
+            try:
+                conn.send(("step", ops, self.n_finished, self.armed, self.long_s, self.group_counts))
+            except OSError:  # a dead peer: no error, as NCCL gives none; the collective waits
+                pass
+        if stepping:
+            self._report(force=True)
 
     def _collective(self) -> None:
         """Wait until every rank has run the step, spinning as NCCL does (state R at full CPU
@@ -426,8 +434,7 @@ class Scheduler:
         self._last_report = now
         # Every rank of the group reports the group's counts, as upstream's ranks all hold the
         # same batch: summing them over ranks multiplies by TP.
-        running, queued = ((len(self.running) + (1 if self.chunked else 0), len(self.waiting))
-                           if self.rank == 0 else self.group_counts)
+        running, queued = self.group_counts
         snap = {
             "gauges": {"num_running_reqs": running, "num_queue_reqs": queued,
                        "gen_throughput": self.gen_throughput if busy else 0.0,

@@ -117,7 +117,9 @@ class LogState:
             else:
                 self.watchdog = ev
         elif ev.kind in ("crashed", "child_failed"):
-            if self.crashed is None:
+            # The first child that died is the cause; the SubprocessWatchdog's line, which
+            # follows the SIGCHLD handler's for the same child on current SGLang, says more.
+            if self.crashed is None or (ev.kind == "crashed" and self.crashed.kind == "child_failed"):
                 self.crashed = ev
         elif ev.kind == "sigquit":
             self.sigquit = self.sigquit or ev
@@ -142,7 +144,9 @@ def down_cause(state: Any, rank_of_pid: dict[int, str] | None = None) -> str:
         how = f"exit code {c.exit_code}" if c.exit_code is None or c.exit_code >= 0 else \
             f"killed by signal {-c.exit_code}"
         tail = ("; SGLang's subprocess watchdog then killed the server" if c.kind == "crashed"
-                else "; the HTTP front stayed up without it")
+                else "; the HTTP front stayed up without it"
+                + (f" until SGLang's watchdog killed the tree after {state.watchdog.timeout_s:g} s"
+                   if state.watchdog is not None else ""))
         return f"{what} crashed: {how}{tail}"
     w = state.watchdog
     if w is not None:
