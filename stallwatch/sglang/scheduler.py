@@ -482,10 +482,11 @@ class Scheduler:
                 self._delay()
                 cat = "decode" if kinds == {"decode"} else "extend"
                 self.forward_s[cat] += time.monotonic() - t0
-            try:
-                self.acks.send(1)  # this rank's part of the collective
-            except (BrokenPipeError, OSError):
-                pass
+            if kinds:  # this rank's part of the collective (rank 0 waits after forward steps only)
+                try:
+                    self.acks.send(1)
+                except OSError:
+                    pass
             self.watchdog.forward_ct += 1
             self.watchdog.in_batch = False
             self._report()
