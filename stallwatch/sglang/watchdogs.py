@@ -43,8 +43,8 @@ class HardWatchdog:
             time.sleep(max(self.timeout_s / 2, 0.05))
             now = time.monotonic()
             if not self.in_batch:
-                # Upstream keeps the last time while idle; restarting it here spares a batch that
-                # begins after a long idle spell a kill before its first step could count.
+                # Restarted whenever no batch runs (a precaution of ours): an idle spell never
+                # counts against the next batch.
                 last_ct, last_t = self.forward_ct, now
             elif self.forward_ct != last_ct:
                 last_ct, last_t = self.forward_ct, now
