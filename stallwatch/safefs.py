@@ -26,7 +26,7 @@ import os
 import stat
 from typing import Iterator
 
-__all__ = ["UnsafePath", "open_dir", "open_file", "open_in", "subdir", "read_bounded",
+__all__ = ["UnsafePath", "open_dir", "open_file", "open_in", "subdir", "open_rel", "read_bounded",
            "fd_dir", "readable_by"]
 
 # O_PATH: walking needs search (x) permission only, as the kernel's own walk does; a job user's
@@ -131,6 +131,20 @@ def subdir(dir_fd: int, name: str, *, create: bool = False, mode: int = 0o700) -
         except FileExistsError:
             pass
         return os.open(name, _DIR, dir_fd=dir_fd)
+
+
+def open_rel(root_fd: int, parts: tuple[str, ...] | list[str], *, create: bool = False) -> int:
+    """A directory fd for root_fd/parts[0]/parts[1]/..., each component through `subdir`."""
+    fd = os.dup(root_fd)
+    try:
+        for part in parts:
+            nfd = subdir(fd, part, create=create)
+            os.close(fd)
+            fd = nfd
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _one(name: str) -> None:

@@ -39,6 +39,34 @@ open(marker, "w").close()
 """
 
 
+def _two_ways(rig: AttackRig, name: str, script: Path, extra: str = "") -> None:
+    """Two jobs running `script NAME`: `name` with `user = "65534"` in the config, `name`+"s"
+    dropping by itself through setpriv (the daemon does not know its user)."""
+    for job, how in ((name, 'user = "65534"'), (name + "s", "")):
+        cmd = [rig.python, str(script), job]
+        rig.add_job(f"""
+            name = "{job}"
+            command = {rig.toml_list(cmd if how else rig.as_user(*cmd))}
+            log = "{rig.home}/{job}.log"
+            {how}
+        """ + extra)
+
+
+def _resumed_job(rig: AttackRig, name: str, script: Path, extra: str = "") -> None:
+    """A job of the user's writing `<home>/<name>.out`, killed and resumed once on failure (its
+    outputs validated in between): `script NAME` attacks on its first run."""
+    rig.add_job(f"""
+        name = "{name}"
+        command = {rig.toml_list([rig.python, str(script), name])}
+        log = "{rig.home}/{name}.log"
+        outputs = "{rig.home}/{name}.out"
+        user = "65534"
+        restart = "on-failure"
+        max_restarts = 1
+        restart_backoff_s = 0.2
+    """ + extra)
+
+
 def _attack_1(rig: AttackRig) -> None:
     """#1: the log made a symlink to a root file, then a crash: the restart must not append the
     job's output to it. Twice: `user` in the config, and setpriv in the command (root-started
@@ -59,19 +87,8 @@ def _attack_1(rig: AttackRig) -> None:
         print("evil::0:0::/root:/bin/sh", flush=True)
         sys.exit(1)
     """)
-    for name, how in (("a1", 'user = "65534"'), ("a1s", "")):
-        cmd = [rig.python, str(script), name]
-        if not how:
-            cmd = rig.as_user(*cmd)
-        rig.add_job(f"""
-            name = "{name}"
-            command = {rig.toml_list(cmd)}
-            log = "{rig.home}/{name}.log"
-            restart = "on-failure"
-            max_restarts = 1
-            restart_backoff_s = 0.2
-            {how}
-        """)
+    _two_ways(rig, "a1", script, 'restart = "on-failure"\nmax_restarts = 1\n'
+                                 "restart_backoff_s = 0.2")
 
 
 def _attack_6_13(rig: AttackRig) -> None:
@@ -135,18 +152,8 @@ with open(os.path.join(out, {EVIL_NAME!r}), "wb") as f:
     f.write(b"PK not really a zip")
 sys.exit(1)
 """)
-    for name, extra in (("a2", ""), ("a2q", f'quarantine = "{rig.home}/a2q.q"')):
-        rig.add_job(f"""
-            name = "{name}"
-            command = {rig.toml_list([rig.python, str(script), name])}
-            log = "{rig.home}/{name}.log"
-            outputs = "{rig.home}/{name}.out"
-            user = "65534"
-            restart = "on-failure"
-            max_restarts = 1
-            restart_backoff_s = 0.2
-            {extra}
-        """)
+    _resumed_job(rig, "a2", script)
+    _resumed_job(rig, "a2q", script, f'quarantine = "{rig.home}/a2q.q"')
 
 
 def _attack_3(rig: AttackRig) -> None:
@@ -236,17 +243,7 @@ if os.fork() == 0:  # the racer: its own session, so the kill of the job's group
 time.sleep(0.3)
 sys.exit(1)
 """)
-    rig.add_job(f"""
-        name = "a4"
-        command = {rig.toml_list([rig.python, str(script), "a4"])}
-        log = "{rig.home}/a4.log"
-        outputs = "{rig.home}/a4.out"
-        user = "65534"
-        restart = "on-failure"
-        max_restarts = 1
-        restart_backoff_s = 0.2
-        validate_window_s = 3600
-    """)
+    _resumed_job(rig, "a4", script, "validate_window_s = 3600")
 
 
 def _attack_5(rig: AttackRig) -> None:
@@ -264,16 +261,7 @@ os.symlink({str(secret)!r}, log)
 time.sleep(1.5)
 sys.exit(1)
 """)
-    for name, how in (("a5", 'user = "65534"'), ("a5s", "")):
-        cmd = [rig.python, str(script), name]
-        if not how:
-            cmd = rig.as_user(*cmd)
-        rig.add_job(f"""
-            name = "{name}"
-            command = {rig.toml_list(cmd)}
-            log = "{rig.home}/{name}.log"
-            {how}
-        """)
+    _two_ways(rig, "a5", script)
     sink = rig.victim_path("alerts.jsonl")
     argv = [sys.executable, "-c", "import sys; f = open(sys.argv[1], 'ab'); "
             "f.write(sys.stdin.buffer.read() + bytes([10]))", str(sink)]
@@ -300,16 +288,7 @@ for _ in range(1500):
     fd = nfd
 sys.exit(1)
 """)
-    rig.add_job(f"""
-        name = "a12"
-        command = {rig.toml_list([rig.python, str(script), "a12"])}
-        log = "{rig.home}/a12.log"
-        outputs = "{rig.home}/a12.out"
-        user = "65534"
-        restart = "on-failure"
-        max_restarts = 1
-        restart_backoff_s = 0.2
-    """)
+    _resumed_job(rig, "a12", script)
 
 
 @pytest.fixture(scope="module", params=MODES)

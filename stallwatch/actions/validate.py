@@ -540,20 +540,6 @@ def _matches(name: str, patterns: Collection[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-def _open_rel(root_fd: int, parts: tuple[str, ...], *, create: bool = False) -> int:
-    """A directory fd for root/parts, each component opened without following a link."""
-    fd = os.dup(root_fd)
-    try:
-        for part in parts:
-            nfd = safefs.subdir(fd, part, create=create)
-            os.close(fd)
-            fd = nfd
-        return fd
-    except BaseException:
-        os.close(fd)
-        raise
-
-
 class _Found(NamedTuple):
     mtime: float
     ident: tuple[int, int]
@@ -571,7 +557,7 @@ def _walk(out_fd: int, out_dir: Path, patterns: Collection[str], since_wall: flo
     while stack:
         parts = stack.pop()
         try:
-            dfd = _open_rel(out_fd, parts)
+            dfd = safefs.open_rel(out_fd, parts)
         except FileNotFoundError:
             continue  # removed during the walk
         except OSError as exc:
@@ -692,7 +678,7 @@ def validate_outputs(
             if parts in found:
                 continue
             try:
-                pfd = _open_rel(out_fd, parts[:-1])
+                pfd = safefs.open_rel(out_fd, parts[:-1])
                 try:
                     st = os.stat(parts[-1], dir_fd=pfd, follow_symlinks=False)
                 finally:
@@ -705,7 +691,7 @@ def validate_outputs(
             if _stat.S_ISREG(st.st_mode):
                 found[parts] = _Found(st.st_mtime, (st.st_dev, st.st_ino))
 
-        open_rel = {p for p in (_rel_parts(o, out_dir) for o in open_paths) if p is not None}
+        writing = {p for p in (_rel_parts(o, out_dir) for o in open_paths) if p is not None}
         order = sorted(found, key=lambda p: (-found[p].mtime, p))  # newest first
         checked = valid = 0
         for i, parts in enumerate(order):
@@ -719,7 +705,7 @@ def validate_outputs(
                                        f"over the time budget of {budget_s:g} s")
                                for p in order[i:])
                 break
-            if parts in open_rel:
+            if parts in writing:
                 skipped.append(Skipped(path, "open for writing by a live process"))
                 continue
             ok = _check_one(out_fd, parts, found[parts].ident, path, q_fd, qdir, check, dry_run,
@@ -742,7 +728,7 @@ def _check_one(out_fd: int, parts: tuple[str, ...], ident: tuple[int, int], path
     """Validate one file through its fd; move it when broken. True/False: valid or not; None:
     not checked (gone, or no longer the file the walk saw)."""
     try:
-        pfd = _open_rel(out_fd, parts[:-1])
+        pfd = safefs.open_rel(out_fd, parts[:-1])
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -778,7 +764,7 @@ def _check_one(out_fd: int, parts: tuple[str, ...], ident: tuple[int, int], path
                 return False
             try:
                 assert q_fd is not None
-                qpfd = _open_rel(q_fd, parts[:-1], create=True)
+                qpfd = safefs.open_rel(q_fd, parts[:-1], create=True)
                 try:
                     moved = _move_at(pfd, parts[-1], fd, qpfd, parts[-1])
                 finally:
