@@ -9,6 +9,7 @@ Import as `from fleetkit import ...` (pytest puts tests/ on sys.path).
 
 from __future__ import annotations
 
+import ctypes
 import http.server
 import json
 import os
@@ -115,7 +116,7 @@ class Services:
         out = open(self.logs / f"{name}.log", "wb")
         try:
             p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                 start_new_session=True, **kw)
+                                 start_new_session=True, preexec_fn=_die_with_parent, **kw)
         finally:
             out.close()
         self.procs.append((name, p))
@@ -140,6 +141,13 @@ class Services:
     def close(self) -> None:
         for _name, p in reversed(self.procs):
             _stop(p, signal.SIGTERM)
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGKILL when pytest dies (killed by a timeout, it runs no teardown), so
+    no munged, slurmctld, Prometheus or stallwatch outlives the test run."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _stop(p: subprocess.Popen, sig: int) -> None:

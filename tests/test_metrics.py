@@ -704,7 +704,7 @@ def test_slurm_node_script_runs_the_daemon_until_the_job_ends(tmp_path, exit_cod
     sw.write_text(f"#!/bin/sh\nPYTHONPATH={ROOT} exec {sys.executable} -m stallwatch \"$@\"\n")
     sw.chmod(0o755)
     env = dict(os.environ, SLURM_JOB_ID="77", SLURM_NODEID="0", SLURM_JOB_NUM_NODES="1",
-               STALLWATCH=str(sw), STALLWATCH_POLL_S="1", STALLWATCH_MAX_RESTARTS="0",
+               STALLWATCH=str(sw), STALLWATCH_MAX_RESTARTS="0",
                STALLWATCH_METRICS=f"127.0.0.1:{_free_port()}")
     code = f"import sys, time\nfor i in range(1, 4):\n    print(f'{{i}}/3', flush=True)\n" \
            f"    time.sleep(0.2)\nsys.exit({exit_code})"

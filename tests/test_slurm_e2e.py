@@ -152,7 +152,7 @@ def submit(cluster: Cluster, work: Path, hook: WebhookReceiver) -> tuple[str, Pa
     env = dict(cluster.env, EXTRACT_OUT=str(work / "out"), EXTRACT_PYTHON=sys.executable,
                EXTRACT_SCRIPT=str(JOB),
                EXTRACT_ARGS=f"--n {N_SAMPLES} --sample-s 0.1 --sample-bytes 256",
-               STALLWATCH=str(sw), STALLWATCH_POLL_S="1", STALLWATCH_METRICS="",
+               STALLWATCH=str(sw), STALLWATCH_METRICS="",
                STALLWATCH_ALERT_WEBHOOK=hook.url("stallwatch"))
     out = cluster.slurm("sbatch", "--parsable", "--nodes=1", f"--chdir={work}",
                         f"--output={work}/slurm-%j.out", str(SBATCH), cwd=ROOT, env=env)

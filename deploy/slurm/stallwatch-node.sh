@@ -15,7 +15,6 @@
 #                       (optional; name the file per job if several jobs share a node)
 #   STALLWATCH_MAX_RESTARTS                                  (default: 3)
 #   STALLWATCH_ALERT_WEBHOOK  a webhook URL for alerts       (optional)
-#   STALLWATCH_POLL_S   how often to ask whether the job has finished (default: 15)
 #   --print-config      print this node's configuration and exit (a dry run)
 set -euo pipefail
 
@@ -77,6 +76,7 @@ config="$workdir/stallwatch.toml"
   echo "# written by $0 for Slurm job $SLURM_JOB_ID, node $node_id of $nodes ($host)"
   echo "[daemon]"
   echo "interval_s = 1.0"
+  echo "exit_with_jobs = true"
   echo "state_dir = $(toml "$workdir/state")"
   if [ -n "$metrics" ]; then echo "metrics_listen = $(toml "$metrics")"; fi
   if [ -n "${STALLWATCH_TEXTFILE:-}" ]; then echo "metrics_textfile = $(toml "$STALLWATCH_TEXTFILE")"; fi
@@ -109,11 +109,14 @@ if [ "$print_only" = 1 ]; then
   exit 0
 fi
 
-# The daemon runs until this node's job has finished (or stallwatch gave up on it), then stops.
+# `stallwatch run` in the foreground (exit_with_jobs, as `stallwatch run -- COMMAND` runs): it
+# exits when this node's job has ended for good, with the job's status (0: finished), or 2 when
+# it gave up on the job. In the background only so that this script's SIGTERM handler runs at once.
 "$stallwatch" run --config "$config" &
 daemon=$!
 # scancel, the time limit or a preemption: Slurm signals every process of the step, this
-# script, the daemon and the job alike. Say so, stop the daemon, do not wait for the job.
+# script, the daemon and the job alike. Say so; the daemon passes SIGTERM on to the job and
+# restarts nothing.
 on_term() {
   local state
   state="$(timeout 5 scontrol -o show job "$SLURM_JOB_ID" 2>/dev/null \
@@ -130,39 +133,11 @@ on_term() {
 }
 trap on_term TERM INT
 
-# 0: finished, 1: stopped for good (stallwatch gave up, or restart = "no"), 2: still going.
-phase() {
-  local out
-  # status exits like a Nagios check (2 for a crash verdict ...): read its JSON whatever the code
-  out="$("$stallwatch" status --config "$config" --json 2>/dev/null)" || true
-  printf '%s' "$out" | python3 -c '
-import json, sys
-try:
-    jobs = json.load(sys.stdin)["jobs"]
-except Exception:
-    print(2); sys.exit()
-j = jobs[0] if jobs else {}
-kind = (j.get("verdict") or {}).get("kind")
-phase = j.get("phase") or j.get("state")
-if phase == "finished" or kind == "finished":
-    print(0)
-elif phase in ("stopped", "gave_up"):
-    print(1)
-else:
-    print(2)' || echo 2
-}
-
-rc=2
-while kill -0 "$daemon" 2>/dev/null; do
-  sleep "${STALLWATCH_POLL_S:-15}" &
-  wait $! || true
-  rc="$(phase)"
-  [ "$rc" = 2 ] || break
-done
-kill -TERM "$daemon" 2>/dev/null || true
-wait "$daemon" || true
+rc=0
+wait "$daemon" || rc=$?
 case "$rc" in
   0) echo "stallwatch-node: $host: the job finished" >&2 ;;
-  *) rc=1; echo "stallwatch-node: $host: the job did not finish (see $workdir)" >&2 ;;
+  *) echo "stallwatch-node: $host: the job did not finish (stallwatch exit $rc; see $workdir)" >&2
+     rc=1 ;;
 esac
 exit "$rc"
