@@ -449,6 +449,7 @@ def test_5_a_log_symlinked_to_a_root_secret_never_reaches_alerts(attacked: Attac
     sink = rig.victim_path("alerts.jsonl")
     rig.wait_for(lambda: sink.exists() and f'"job": "{name}"' in sink.read_text()
                  and rig.phase(name) == "stopped", 60, f"{name}'s crash alert")
+    rig.wait_for(lambda: f"job {name}: log refused: " in rig.daemon_log(), 30, "the refusal")
     assert LOG_SECRET not in sink.read_text()
     assert LOG_SECRET not in rig.daemon_log()
     assert LOG_SECRET not in json.dumps(rig.q("SELECT * FROM incidents"))

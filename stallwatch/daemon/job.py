@@ -96,6 +96,7 @@ class JobRunner:
         self._spawn_error = ""
         self._refused_status: set[str] = set()
         self._pid_file_refused = ""
+        self._log_refused = ""
         self.dry_run_done: set[int] = set()  # incidents a dry run already walked through
         self._slurm_ask: tuple[int, Any] | None = None  # (run id, Future of its JobState)
         self._watch = WatchWarnings(self.name)
@@ -699,6 +700,7 @@ class JobRunner:
             self._poll_pid_file()
         self._ensure_collector()
         snap = self.collector.tick()
+        self._say_log_refused(snap)
         v = features(snap)
         ev = self.evaluator.evaluate(v, snap.t_mono)
         self.last_snap, self.last_eval, self.last_vars = snap, ev, v
@@ -770,6 +772,16 @@ class JobRunner:
 
     def sparklines(self) -> str:
         return sparkline_text(sparklines(list(self.history.samples), HISTORY_WINDOW_S))
+
+    def _say_log_refused(self, snap: Any) -> None:
+        """A log the probe refuses (a symlink, a file the job's user cannot read: security.md
+        #5) is said once in the daemon's log, not only in `log.status`."""
+        lg = getattr(snap, "log", None)
+        why = (lg.error or "") if lg is not None and lg.status == "denied" else ""
+        if why != self._log_refused:
+            self._log_refused = why
+            if why:
+                log.warning("job %s: log refused: %s", self.name, why)
 
     def _persist(self, snap: Any, verdict: Verdict) -> None:
         doc = verdict_doc(verdict, snap.t_wall)
