@@ -77,11 +77,13 @@ def wait(pred, timeout: float, what: str):
     raise TimeoutError(what)
 
 
-def scenario(name: str, spec: dict, out_dir: Path, lead_s: float, after_s: float, results: dict) -> None:
+def scenario(name: str, spec: dict, out_dir: Path, lead_s: float, after_s: float, results: dict,
+             version: str = "current") -> None:
     work = Path(tempfile.mkdtemp(prefix=f"sw-{name}-"))
     port_file, slog, clog, outs = work / "port", work / "server.log", work / "extract.log", work / "hs"
     srv = subprocess.Popen([PY, "-m", "stallwatch.sglang.protocol_server", "--port", "0",
                             "--port-file", str(port_file), "--tp", str(spec["tp"]), "--device", DEVICE,
+                            "--sglang-version", version,
                             "--enable-metrics", "--enable-return-hidden-states", "--no-access-log", "--hidden-size", "256",
                             "--num-layers", "8", "--busy-factor", "200", "--kv-cache-gb", "4",
                             "--log", str(slog)], start_new_session=True)
@@ -142,12 +144,16 @@ def main() -> int:
     ap.add_argument("--scenarios", default="all")
     ap.add_argument("--lead-s", type=float, default=10)
     ap.add_argument("--after-s", type=float, default=35)
+    # The traces in tests/data/sglang predate the shapes (old failure model, like 0.5.4);
+    # `current` records today's: a killed rank takes the server down, the watchdog kills a stall.
+    ap.add_argument("--sglang-version", default="current", choices=("current", "0.5.4"))
     a = ap.parse_args()
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     names = list(SCEN) if a.scenarios == "all" else a.scenarios.split(",")
     results: dict = {}
-    threads = [threading.Thread(target=scenario, args=(n, SCEN[n], out, a.lead_s, a.after_s, results))
+    threads = [threading.Thread(target=scenario, args=(n, SCEN[n], out, a.lead_s, a.after_s, results,
+                                                       a.sglang_version))
                for n in names]
     for t in threads:
         t.start()
