@@ -139,3 +139,11 @@ def test_server_busy(ranks, blocked, running, busy) -> None:
     server = {"ranks": ranks, "ranks_gone": [], "watchdog_timeout_s": 300.0, "metrics_ok": True,
               "running_reqs": running, "queue_reqs": 0.0}
     assert server_busy(server, {"blocked": blocked, "quiet_s": 30.0}) is busy
+
+
+def test_config_server_log_is_a_path_relative_to_the_config(tmp_path) -> None:
+    from stallwatch.config import parse_config
+
+    cfg = parse_config('[[job]]\nname = "x"\nmatch = "extract"\nserver = "http://127.0.0.1:30000"\n'
+                       'server_log = "logs/sglang.log"\n', base=tmp_path)
+    assert cfg.job[0].server_log == tmp_path / "logs" / "sglang.log"
