@@ -167,6 +167,19 @@ def _stop(p: subprocess.Popen, sig: int) -> None:
         p.wait(timeout=15)
 
 
+def dashboard_panels(dash: dict) -> list[dict]:
+    """Every panel of a Grafana dashboard, rows' nested panels included."""
+    out: list[dict] = []
+
+    def walk(ps: list[dict]) -> None:
+        for p in ps:
+            out.append(p)
+            walk(p.get("panels", []))
+
+    walk(dash["panels"])
+    return out
+
+
 def pids_naming(marker: str) -> list[int]:
     """Live processes whose command line contains `marker` (a test's unique temp path)."""
     out = []

@@ -34,7 +34,8 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from fleetkit import ROOT, Services, WebhookReceiver, free_port, kill_naming, stallwatch_exe
+from fleetkit import (ROOT, Services, WebhookReceiver, dashboard_panels, free_port, kill_naming,
+                      stallwatch_exe)
 from rigs import wait_until
 
 yaml = pytest.importorskip("yaml")
@@ -390,16 +391,8 @@ def check_dashboard(api) -> None:
         assert got, f"variable {var['name']} ({q}) resolves to nothing"
         values[var["name"]] = got
     assert {"instance", "job"} <= set(values)
-    panels = []
-
-    def walk(ps):
-        for p in ps:
-            panels.append(p)
-            walk(p.get("panels", []))
-
-    walk(dash["panels"])
     n = 0
-    for p in panels:
+    for p in dashboard_panels(dash):
         for t in p.get("targets", []):
             expr = t.get("expr")
             if not expr:

@@ -566,15 +566,10 @@ def test_alert_rules_cover_the_problem_kinds_and_staleness():
 
 
 def test_grafana_dashboard_has_the_panels():
+    from fleetkit import dashboard_panels
+
     dash = json.loads(DASHBOARD.read_text())
-    panels = []
-
-    def walk(ps):
-        for p in ps:
-            panels.append(p)
-            walk(p.get("panels", []))
-
-    walk(dash["panels"])
+    panels = dashboard_panels(dash)
 
     def exprs(p):
         return " ".join(t.get("expr", "") for t in p.get("targets", []))

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -189,14 +190,28 @@ def environ(pid: int) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
 
 
-def test_a_hung_shard_is_restarted_inside_the_allocation_and_the_job_completes(cluster, tmp_path):
+@contextmanager
+def running_shard(cluster: Cluster, tmp_path: Path, done: int):
+    """The shipped batch script submitted; yields once its shard has done `done` samples under
+    stallwatch: (job id, the node's stallwatch directory, the shard's pid, the batch's work
+    directory, stallwatch's webhook receiver). Whatever is left is killed after."""
     hook = WebhookReceiver()
     work = tmp_path / "work"
     work.mkdir()
     try:
         job_id, node = submit(cluster, work, hook)
-        first = wait_until(lambda: progress(node) >= 10 and status(node).get("pid"), 90,
-                           "the shard's progress under stallwatch")
+        pid = wait_until(lambda: progress(node) >= done and status(node).get("pid"), 90,
+                         "the shard's progress under stallwatch")
+        yield job_id, node, pid, work, hook
+    finally:
+        hook.close()
+        kill_naming(str(work))
+        for f in work.glob("slurm-*.out"):  # shown when the test fails
+            print(f"--- {f.name}:\n{f.read_text(errors='replace')[-3000:]}")
+
+
+def test_a_hung_shard_is_restarted_inside_the_allocation_and_the_job_completes(cluster, tmp_path):
+    with running_shard(cluster, tmp_path, 10) as (job_id, node, first, work, hook):
         assert environ(first)["SLURM_JOB_ID"] == job_id  # started by the step, in the allocation
         os.kill(first, signal.SIGSTOP)  # the hang: alive, every thread in T, no progress
         second = wait_until(lambda: (s := status(node)).get("restarts") == 1 and s.get("pid")
@@ -217,21 +232,10 @@ def test_a_hung_shard_is_restarted_inside_the_allocation_and_the_job_completes(c
         assert "the job finished" in err
         fired = hook.wait(lambda d: d.body.get("state") == "firing", 30, "stallwatch's alert")
         assert fired.body["job"] == "extract-0" and fired.body["kind"] == "hang"
-    finally:
-        hook.close()
-        kill_naming(str(work))
-        for f in work.glob("slurm-*.out"):  # shown when the test fails
-            print(f"--- {f.name}:\n{f.read_text(errors='replace')[-3000:]}")
 
 
 def test_scancel_is_not_a_crash(cluster, tmp_path):
-    hook = WebhookReceiver()
-    work = tmp_path / "work"
-    work.mkdir()
-    try:
-        job_id, node = submit(cluster, work, hook)
-        pid = wait_until(lambda: progress(node) >= 5 and status(node).get("pid"), 90,
-                         "the shard's progress under stallwatch")
+    with running_shard(cluster, tmp_path, 5) as (job_id, node, pid, work, hook):
         cluster.slurm("scancel", job_id)
         state = wait_until(lambda: cluster.final_state(job_id), 60, "the cancelled job's end")
         assert state.startswith("CANCELLED"), state
@@ -242,10 +246,6 @@ def test_scancel_is_not_a_crash(cluster, tmp_path):
         assert "not a crash" in out
         doc = status(node)
         assert doc["incidents"] == [] and doc["restarts"] == 0, doc
+        assert doc["phase"] == "stopped", doc  # by the SIGTERM, or by asking Slurm: either order
         time.sleep(1.0)  # an alert sent at the very end would arrive now
         assert [d.body for d in hook.deliveries] == []
-    finally:
-        hook.close()
-        kill_naming(str(work))
-        for f in work.glob("slurm-*.out"):  # shown when the test fails
-            print(f"--- {f.name}:\n{f.read_text(errors='replace')[-3000:]}")
