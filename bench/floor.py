@@ -4,9 +4,11 @@
     python bench/floor.py --pid PID --log LOG --outputs DIR [--interval 1] [--duration S]
 
 Per tick, like stallwatch's probes (no GPU here, no server): the job's descendants (every
-/proc/*/stat every 10 s, the kernel's per-thread `children` lists in between), and for each
-process of the job's tree its task list, each thread's stat, status (and wchan, syscall, stack,
-sched when it is off-CPU), the process's status, io, cwd, fd table (readlink of each fd, fdinfo of regular files), socket tables when it holds sockets;
+/proc/*/stat every 10 s, in between the kernel's per-thread `children` lists of the threads that
+ran), and for each process of the job's tree its task list, each thread's schedstat and stat (kept
+open, re-read with pread), and for a thread that ran or changed state its status (and wchan,
+syscall, stack, sched when it is off-CPU) — what stallwatch reads since issue 17 — the process's
+status, io, cwd, fd table (readlink of each fd, fdinfo of regular files), socket tables when it holds sockets;
 /proc/uptime; the log's new bytes (open, fstat, pread from the remembered offset, close);
 /dev/kmsg's new records; mountinfo, diskstats, the sysfs entries of the watched paths' block
 devices, statvfs of each watched path and /dev/shm (and its listing); the outputs directory's
@@ -183,6 +185,30 @@ class Floor:
             self.kmsg = None
         self.bytes_read = 0
         self.full_scan_at = -1e18
+        self.kept: dict[str, int] = {}  # path -> descriptor re-read with pread
+        self.kept_read: set[str] = set()
+        self.last: dict[str, tuple[bytes | None, bytes]] = {}  # thread dir -> (schedstat, state)
+        self.kids: dict[str, tuple[bytes | None, list[int]]] = {}
+
+    def pread(self, path: str) -> bytes | None:
+        fd = self.kept.get(path)
+        if fd is None:
+            try:
+                fd = self.kept[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return None
+        try:
+            data = os.pread(fd, 16384, 0)
+        except OSError:
+            os.close(self.kept.pop(path))
+            return None
+        self.kept_read.add(path)
+        return data
+
+    def sweep(self) -> None:
+        for path in [p for p in self.kept if p not in self.kept_read]:
+            os.close(self.kept.pop(path))
+        self.kept_read = set()
 
     # -- processes
     FULL_SCAN_EVERY_S = 10.0  # as stallwatch's processes probe
@@ -190,6 +216,7 @@ class Floor:
     def tick_processes(self) -> set[str]:
         children: dict[int, list[int]] = {}
         starts: dict[int, bytes] = {}
+        sched_now: dict[str, bytes | None] = {}
         now = time.monotonic()
         if now - self.full_scan_at >= self.FULL_SCAN_EVERY_S:
             # every /proc/*/stat, for the ppids: the way new descendants are found every 10 s
@@ -215,7 +242,14 @@ class Floor:
                     continue
                 starts[p] = b[b.rfind(b")") + 2:].split()[19]
                 for t in listdir(f"/proc/{p}/task"):
-                    kids = [int(k) for k in (read(f"/proc/{p}/task/{t}/children") or b"").split()]
+                    td = f"/proc/{p}/task/{t}"
+                    ss = sched_now[td] = self.pread(f"{td}/schedstat")
+                    hit = self.kids.get(td)
+                    if hit is not None and ss is not None and hit[0] == ss:
+                        kids = hit[1]
+                    else:
+                        kids = [int(k) for k in (read(f"{td}/children") or b"").split()]
+                        self.kids[td] = (ss, kids)
                     children.setdefault(p, []).extend(kids)
                     todo += kids
         tree, todo = [], [self.pid]
@@ -236,19 +270,24 @@ class Floor:
                 if link is not None:
                     fds[fd] = link
             for t in tids[:512]:
-                st = read(f"{d}/task/{t}/stat")
-                read(f"{d}/task/{t}/status")
+                td = f"{d}/task/{t}"
+                ss = sched_now[td] if td in sched_now else self.pread(f"{td}/schedstat")
+                st = self.pread(f"{td}/stat")
                 if st is None:
                     continue
                 state = st[st.rfind(b")") + 2:st.rfind(b")") + 3]
+                before, self.last[td] = self.last.get(td), (ss, state)
+                if ss is not None and before == (ss, state) and state not in (b"R", b"Z", b"X"):
+                    continue  # did not run since the last tick: nothing else can have changed
+                read(f"{td}/status")
                 if state not in (b"R", b"Z", b"X"):
-                    read(f"{d}/task/{t}/wchan")
-                    read(f"{d}/task/{t}/syscall")
-                    read(f"{d}/task/{t}/stack")
+                    read(f"{td}/wchan")
+                    read(f"{td}/syscall")
+                    read(f"{td}/stack")
                     if not uptime_read:
                         read("/proc/uptime")
                         uptime_read = True
-                    read(f"{d}/task/{t}/sched")
+                    read(f"{td}/sched")
             read(f"{d}/status")
             read(f"{d}/io")
             cwd = readlink(f"{d}/cwd")
@@ -348,6 +387,9 @@ class Floor:
 
     def tick(self) -> None:
         extra = self.tick_processes()
+        self.sweep()
+        self.last = {k: v for k, v in self.last.items() if f"{k}/stat" in self.kept}
+        self.kids = {k: v for k, v in self.kids.items() if k in self.last}
         self.tick_log()
         if self.outputs is not None:
             for path in self.outputs.drain():

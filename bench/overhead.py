@@ -7,6 +7,10 @@ watched at the same 1 s interval, all at the same time, by
   - floor: bench/floor.py, the same /proc, /sys, kernel-log, log and outputs reads, nothing else;
   - peers from PyPI, in their own virtualenv: glances (`--stdout cpu,mem -t 1`), nvitop's API
     (bench/peers/nvitop_loop.py), gpustat (`-i 1`; no GPU here).
+With `wide` (default 8 × 128), two more jobs run beside it, each under its own daemon (and the
+baseline's): the wide job (bench/jobs/wide.py: 8 processes of 128 idle threads, a SpecForge
+node's write pools) and the narrow one (the same script, 1 process of 1 thread); the difference
+of their daemons' CPU per tick over the difference of their threads is the cost per idle thread.
 Each one's CPU is read every sub-window (cgroup cpuacct when root, else /proc/PID/stat), after a
 warm-up; per-tick CPU is the sub-window's CPU over its ticks (the daemon's own tick counter, else
 wall / interval); the median over sub-windows is reported, and the whole window's total.
@@ -18,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -133,7 +138,7 @@ def _versions(py: Path) -> dict[str, str]:
 def run(*, warmup_s: float, window_s: float, subwindows: int, interval: float = 1.0,
         peers_venv: Path | None = None, install_peers: bool = False,
         baseline_src: Path | None = None, job_argv: list[str] | None = None,
-        floor_args: tuple[str, ...] = ()) -> dict[str, Any]:
+        floor_args: tuple[str, ...] = (), wide: tuple[int, int] | None = (8, 128)) -> dict[str, Any]:
     """job_argv: the watched job (`{out}` and `{log}` are filled in), default extract_like.py;
     floor_args: more arguments for bench/floor.py (`--nvml` on a GPU host)."""
     out: dict[str, Any] = {"interval_s": interval, "warmup_s": warmup_s, "window_s": window_s,
@@ -143,6 +148,7 @@ def run(*, warmup_s: float, window_s: float, subwindows: int, interval: float = 
                          "versions": _versions(py_peers) if py_peers else {}}
     procs: dict[str, subprocess.Popen] = {}
     meters: dict[str, Any] = {}
+    side_jobs: dict[str, subprocess.Popen] = {}
     with workdir("overhead") as wd:
         log, outdir = wd / "job.log", wd / "out"
         argv, env = python_for(None)
@@ -158,10 +164,27 @@ def run(*, warmup_s: float, window_s: float, subwindows: int, interval: float = 
             daemons = {"stallwatch": None}
             if baseline_src is not None:
                 daemons["stallwatch_baseline"] = baseline_src
+            watches = {name: "job" for name in daemons}
+            if wide is not None:
+                for kind, (ranks, threads) in (("wide", wide), ("narrow", (1, 1))):
+                    side_jobs[kind] = j = subprocess.Popen(
+                        [*argv, str(ROOT / "bench" / "jobs" / "wide.py"), "--ranks", str(ranks),
+                         "--threads", str(threads)], start_new_session=True, env=env,
+                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+                    assert j.stdout is not None
+                    j.stdout.readline()
+                    (wd / f"{kind}.pid").write_text(f"{j.pid}\n")
+                    for name, src in list(daemons.items()):
+                        if name in watches and watches[name] == "job":
+                            daemons[f"{name}_{kind}"] = src
+                            watches[f"{name}_{kind}"] = kind
+                out["wide"] = {"ranks": wide[0], "threads_per_rank": wide[1]}
             for name, src in daemons.items():
                 state = wd / f"state-{name}"
                 cfg = wd / f"{name}.toml"
                 rules = f'rules = ["{src}/rules"]' if src is not None else ""
+                job_toml = (f'pid_file = "{wd / "job.pid"}"\nlog = "{log}"\noutputs = "{outdir}"'
+                            if watches[name] == "job" else f'pid_file = "{wd / (watches[name] + ".pid")}"')
                 cfg.write_text(f"""
 [daemon]
 interval_s = {interval}
@@ -169,10 +192,8 @@ state_dir = "{state}"
 {rules}
 
 [[job]]
-name = "extract"
-pid_file = "{wd / 'job.pid'}"
-log = "{log}"
-outputs = "{outdir}"
+name = "{'extract' if watches[name] == 'job' else watches[name]}"
+{job_toml}
 """)
                 procs[name] = start_daemon(cfg, wd / f"{name}.log", src=src)
             procs["floor"] = subprocess.Popen(
@@ -290,6 +311,8 @@ outputs = "{outdir}"
                 if floor.get("cpu_ms_per_tick") and t.get("cpu_ms_per_tick") is not None:
                     r["x_floor"] = rnd(t["cpu_ms_per_tick"] / floor["cpu_ms_per_tick"], 2)
             out["rows"] = rows
+            if wide is not None:
+                out["per_idle_thread"] = per_idle_thread(rows, daemons, side_jobs)
             if (wd / "nvitop.json").exists() or "nvitop" in procs:
                 stop(procs.pop("nvitop", None))
                 try:
@@ -307,4 +330,36 @@ outputs = "{outdir}"
             for m in meters.values():
                 m.close()
             stop(job)
+            for j in side_jobs.values():
+                try:
+                    os.killpg(j.pid, signal.SIGKILL)  # the launcher and its ranks (own session)
+                except ProcessLookupError:
+                    pass
+                stop(j)
     return out
+
+
+def per_idle_thread(rows: dict[str, Any], daemons: dict[str, Any],
+                    jobs: dict[str, subprocess.Popen]) -> dict[str, Any]:
+    """CPU per tick of watching one more idle thread: (wide - narrow) / (their threads' difference)."""
+    count = {k: sum(threads_of(int(c)) or 0 for c in [j.pid, *_children(j.pid)])
+             for k, j in jobs.items()}
+    out: dict[str, Any] = {"threads": count}
+    for name in daemons:
+        if name.endswith("_wide"):
+            base = name[:-len("_wide")]
+            w = ((rows.get(name) or {}).get("total") or {}).get("cpu_ms_per_tick")
+            n = ((rows.get(f"{base}_narrow") or {}).get("total") or {}).get("cpu_ms_per_tick")
+            extra = count["wide"] - count["narrow"]
+            if w is not None and n is not None and extra > 0:
+                out[base] = {"us_per_thread_per_tick": rnd((w - n) * 1e3 / extra, 2),
+                             "wide_ms_per_tick": w, "narrow_ms_per_tick": n}
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(k) for k in f.read().split()]
+    except OSError:
+        return []

@@ -38,7 +38,7 @@ MiB = 1 << 20
 
 MODES: dict[str, dict[str, Any]] = {
     "smoke": {
-        "overhead": dict(warmup_s=3, window_s=5, subwindows=2),
+        "overhead": dict(warmup_s=3, window_s=5, subwindows=2, wide=(2, 8)),
         "tick": dict(ticks=6, interval=0.5),
         "log": dict(sizes=[1 * MiB, 4 * MiB], rates=[20 * MiB, 0], ticks=2),
         "outputs": dict(counts=[100, 1000], ticks=40),
@@ -49,7 +49,7 @@ MODES: dict[str, dict[str, Any]] = {
         "gpu": dict(calls=20, overhead=dict(warmup_s=3, window_s=5, subwindows=2)),
     },
     "quick": {
-        "overhead": dict(warmup_s=15, window_s=120, subwindows=4),
+        "overhead": dict(warmup_s=15, window_s=120, subwindows=4, wide=(8, 128)),
         "tick": dict(ticks=60, interval=1.0),
         "log": dict(sizes=[1 * MiB, 10 * MiB, 100 * MiB, 1024 * MiB], rates=[20 * MiB, 0], ticks=8),
         "outputs": dict(counts=[1000, 10_000, 100_000], ticks=310),
@@ -60,7 +60,7 @@ MODES: dict[str, dict[str, Any]] = {
         "gpu": dict(calls=300, overhead=dict(warmup_s=15, window_s=120, subwindows=4)),
     },
     "full": {
-        "overhead": dict(warmup_s=30, window_s=600, subwindows=10),
+        "overhead": dict(warmup_s=30, window_s=600, subwindows=10, wide=(8, 128)),
         "tick": dict(ticks=300, interval=1.0),
         "log": dict(sizes=[1 * MiB, 10 * MiB, 100 * MiB, 1024 * MiB, 10240 * MiB], rates=[20 * MiB, 0],
                     ticks=15),
@@ -152,6 +152,17 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         p99 = (sw.get("tick_wall_ms") or {}).get("p99")
         add("daemon tick p99, ms (wall)", "<= 20", p99, p99 is not None and p99 <= 20,
             f"over {(sw.get('tick_wall_ms') or {}).get('n')} ticks")
+    wide = ov.get("stallwatch_wide") or {}
+    if (wide.get("total") or {}).get("pct_of_core") is not None:
+        w = (res.get("overhead") or {}).get("wide") or {}
+        pct = wide["total"]["pct_of_core"]
+        add(f"wide job ({w.get('ranks')} x {w.get('threads_per_rank')} idle threads), % of one core",
+            "<= 1.5", pct, pct <= 1.5, f"{wide['total'].get('cpu_ms_per_tick')} ms CPU per tick")
+        p99 = (wide.get("tick_wall_ms") or {}).get("p99")
+        add("wide job: daemon tick p99, ms (wall)", "<= 20", p99, p99 is not None and p99 <= 20, "")
+        per = (((res.get("overhead") or {}).get("per_idle_thread") or {}).get("stallwatch") or {})
+        add("cost per idle thread, µs CPU per tick", "stated", per.get("us_per_thread_per_tick"),
+            None, f"threads {((res.get('overhead') or {}).get('per_idle_thread') or {}).get('threads')}")
     tick = ((res.get("tick") or {}).get("current") or {})
     if tick.get("wall_ms"):
         p99 = tick["wall_ms"].get("p99")
@@ -219,6 +230,8 @@ def overhead_tables(ov: dict[str, Any], title: str) -> list[str]:
              for n, r in ov["rows"].items()]))
         if ov.get("peers"):
             parts.append("peers: " + json.dumps(ov["peers"]))
+        if ov.get("per_idle_thread"):
+            parts.append("per idle thread: " + json.dumps(ov["per_idle_thread"]))
         for name, groups in (ov.get("by_thread_ms_per_tick") or {}).items():
             parts.append(f"{name} by thread, ms CPU per tick: "
                          + ", ".join(f"{k} {v:.3f}" for k, v in groups.items()))
