@@ -340,8 +340,7 @@ def run(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Watch and alert, but never kill, quarantine or restart anything.")] = False,
     log_level: Annotated[Optional[str], typer.Option("--log-level", help="debug, info, warning or error (default: the config's).")] = None,
 ) -> int:
-    """Supervise COMMAND in the foreground (`stallwatch run -- python extract.py`), or run the
-    daemon of a config file (systemd starts it that way).
+    """Supervise COMMAND in the foreground (stallwatch run -- CMD), or run a config's daemon.
 
     With a COMMAND: its output goes to a log stallwatch keeps (and on a terminal to the screen,
     under a live footer); Ctrl-C stops the job as its own Ctrl-C would; the exit status is the

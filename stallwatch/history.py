@@ -139,17 +139,32 @@ def _rate(a: Sample | None, b: Sample, key: str) -> float | None:
 
 def buckets(points: Sequence[tuple[float, float | None]], end_t: float, window_s: float,
             width: int) -> list[float | None]:
-    """Mean value per time bucket over [end_t - window_s, end_t]; None where no sample fell."""
+    """Mean value per time bucket over [end_t - window_s, end_t]. A bucket no sample fell in
+    holds the value before it when that sample is recent (within two sampling intervals: tick
+    jitter, not a gap); otherwise None, drawn as a gap: the value was not known then."""
     sums = [0.0] * width
     counts = [0] * width
     start = end_t - window_s
-    for t, v in points:
-        if v is None or t < start or t > end_t:
-            continue
+    known = [(t, v) for t, v in points if v is not None and start <= t <= end_t]
+    for t, v in known:
         i = min(width - 1, int((t - start) / window_s * width))
         sums[i] += v
         counts[i] += 1
-    return [sums[i] / counts[i] if counts[i] else None for i in range(width)]
+    gaps = sorted(b[0] - a[0] for a, b in zip(known, known[1:]))
+    hold_s = 2 * gaps[(len(gaps) - 1) // 2] if gaps else 0.0  # the lower median
+    out: list[float | None] = []
+    j = -1  # the last known sample before the current bucket
+    for i in range(width):
+        b_start = start + i * window_s / width
+        while j + 1 < len(known) and known[j + 1][0] < b_start:
+            j += 1
+        if counts[i]:
+            out.append(sums[i] / counts[i])
+        elif j >= 0 and b_start - known[j][0] <= hold_s:
+            out.append(known[j][1])
+        else:
+            out.append(None)
+    return out
 
 
 def spark(values: Sequence[float | None], top: float | None = None) -> str:

@@ -35,6 +35,8 @@ __all__ = ["Tee", "Footer", "PlainView", "job_view", "footer_text", "plain_line"
 
 COLORS = {"healthy": "green", "finished": "green", "slow": "yellow", "unknown": "bright_black"}
 SPARK_WINDOW_S = 300.0
+SPARK_WIDTH = 16  # columns per series: three fit in 100 columns with their labels and values
+SPARK_LABELS = {"rate": "rate", "gpu": "GPU", "gpu_mem": "GPU mem", "cpu": "CPU", "io": "I/O"}
 
 
 # ---------------------------------------------------------------------------- the job's output
@@ -122,7 +124,8 @@ def job_view(runner: Any) -> dict[str, Any]:
         rows = runner.db.incidents(runner.name, limit=1)
     except Exception:  # noqa: BLE001 - the view never stops the watch
         rows = []
-    if rows:
+    since = getattr(getattr(runner, "daemon", None), "opened_at", None)
+    if rows and (since is None or rows[-1]["started_at"] >= since - 1.0):  # this run's only
         inc = rows[-1]
         try:
             acts = [f"{a['what']}: {a['outcome']}" for a in runner.db.actions(inc["id"])
@@ -157,7 +160,7 @@ def job_view(runner: Any) -> dict[str, Any]:
                   "mem_used_bytes": g.get("mem_used_bytes", 0.0),
                   "mem_total_bytes": g.get("mem_total_bytes", 0.0)} for g in gpus],
         "incident": incident,
-        "sparks": sparklines(list(runner.history.samples), SPARK_WINDOW_S, width=24),
+        "sparks": sparklines(list(runner.history.samples), SPARK_WINDOW_S, width=SPARK_WIDTH),
     }
 
 
@@ -224,7 +227,7 @@ def footer_text(views: list[dict[str, Any]], width: int, notes: list[str] = (),
         c = COLORS.get(v["verdict"], "red")
         head = Text.assemble(("stallwatch ", "bold"), (v["name"], "bold"), "  ",
                              (f" {v['verdict']} ", f"bold reverse {c}"))
-        if v["phase"] not in ("running", "attached"):
+        if v["phase"] not in ("running", "attached", v["verdict"]):
             head.append(f"  {v['phase']}" + (f": {v['detail']}" if v["phase"] in
                                               ("stopped", "recovering") and v["detail"] else ""),
                         style="yellow")
@@ -256,7 +259,7 @@ def footer_text(views: list[dict[str, Any]], width: int, notes: list[str] = (),
         if v["sparks"]:
             line = Text()
             for s in v["sparks"]:
-                line.append(f"{s['label']} ", style="bright_black")
+                line.append(f"{SPARK_LABELS.get(s['key'], s['label'])} ", style="bright_black")
                 line.append(s["spark"], style="cyan")
                 line.append(f" {s['now_text']}  ")
             con.print(line, no_wrap=True, overflow="ellipsis", crop=True)
@@ -385,8 +388,12 @@ class PlainView:
         self.clock = clock
         self._last: dict[str, tuple[str, str]] = {}
         self._at: dict[str, float] = {}
+        self._printed = ""
 
     def _print(self, line: str) -> None:
+        if line == self._printed:
+            return  # the closing line when nothing changed since the last one
+        self._printed = line
         try:
             print(line, file=self.out, flush=True)
         except (OSError, ValueError):

@@ -31,9 +31,13 @@ def test_rates_come_from_counters_and_never_across_a_reset() -> None:
     assert [v for _, v in ser["io"]] == [None, 2048.0, None, 100.0]
 
 
-def test_buckets_average_by_time_and_mark_empty_ones() -> None:
+def test_buckets_average_by_time_hold_over_jitter_and_show_gaps() -> None:
     pts = [(0.0, 1.0), (1.0, 3.0), (9.0, 8.0)]
-    assert buckets(pts, end_t=10.0, window_s=10.0, width=5) == [2.0, None, None, None, 8.0]
+    # sampled every second, then nothing for 8 s: a bucket just after a sample holds it (tick
+    # jitter), the ones further on are gaps
+    assert buckets(pts, end_t=10.0, window_s=10.0, width=5) == [2.0, 3.0, None, None, 8.0]
+    jittery = [(0.0, 1.0), (1.9, 1.0), (2.1, 1.0), (4.0, 1.0), (6.1, 1.0), (7.9, 1.0)]
+    assert None not in buckets(jittery, end_t=8.0, window_s=8.0, width=8)
 
 
 def test_sparklines_show_a_stop_and_round_trip_through_their_docs() -> None:

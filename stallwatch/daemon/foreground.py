@@ -58,6 +58,7 @@ class ForegroundDaemon(Daemon):
         self.exit_code: int | None = None
         self._signals: list[int] = []
         self.final_views: list[dict[str, Any]] = []
+        self.opened_at: float | None = None  # the view shows this run's incidents only
 
     # ---------------------------------------------------------------------------- signals
 
@@ -95,6 +96,20 @@ class ForegroundDaemon(Daemon):
 
     # ------------------------------------------------------------------------------ ticks
 
+    def _keep_previous_log(self, job: Any) -> None:
+        """The log stallwatch keeps (state_dir/logs, never a --log of the user's) starts empty
+        for a new run of the command, the previous one kept as NAME.log.1: its last progress
+        line is not this run's."""
+        if job.log is not None:
+            return
+        path = self.state_dir / "logs" / f"{job.name}.log"
+        try:
+            os.replace(path, path.with_name(path.name + ".1"))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("job %s: cannot set the previous log aside: %s", job.name, e)
+
     def next_interval(self, interval: float) -> float:
         """Quick ticks (QUICK_TICK_S) while a job has no verdict yet, for at most QUICK_FOR_S:
         the job's first progress line is judged when it appears, not up to a tick later."""
@@ -106,7 +121,7 @@ class ForegroundDaemon(Daemon):
         """A job that ended (finished, stopped, given up) under an earlier run of this command
         is started again: a foreground run means "run it now". One still running (stallwatch was
         killed, the job was not) is re-attached to, never started a second time beside itself."""
-        now = self.clock.time()
+        now = self.opened_at = self.clock.time()
         for job in self.config.job:
             row = self.db.job(job.name)
             if not job.supervised or row is None:
@@ -118,6 +133,7 @@ class ForegroundDaemon(Daemon):
                     self.db.update_job(job.name, phase="new", phase_detail="", restarts=0,
                                        recovery_incident=None)
                     self.db.set_meta(f"restart_streak_base:{job.name}", 0)
+                self._keep_previous_log(job)
             else:
                 log.warning("job %s: still %s from an earlier run (pid %s): re-attaching to it, "
                             "not starting it again", job.name, row["phase"], row["pid"])
