@@ -337,6 +337,8 @@ def run(
     interval: IntervalOpt = None, startup_grace: GraceOpt = None, print_config: PrintOpt = False,
     tee: TeeOpt = None,
     restart_backoff: Annotated[Optional[float], typer.Option("--restart-backoff", help="Seconds before the first restart, doubling after (default 5).")] = None,
+    user: Annotated[Optional[str], typer.Option("--user", help="Run the job as this user (root only); its log is opened as that user.")] = None,
+    group: Annotated[Optional[str], typer.Option("--group", help="With --user: the job's group (default: the user's).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Watch and alert, but never kill, quarantine or restart anything.")] = False,
     log_level: Annotated[Optional[str], typer.Option("--log-level", help="debug, info, warning or error (default: the config's).")] = None,
 ) -> int:
@@ -361,11 +363,14 @@ def run(
                               progress_regex=progress_regex, restart=restart,
                               max_restarts=max_restarts, alert=alert, state_dir=state_dir,
                               rules=rules, interval=interval, startup_grace=startup_grace,
-                              dry_run=dry_run, restart_backoff=restart_backoff)
+                              dry_run=dry_run, restart_backoff=restart_backoff, user=user,
+                              group=group)
         if print_config:
             sys.stdout.write(text)
             return 0
-        cfg = parse_config(text, "stallwatch run", base=Path.cwd())
+        from stallwatch.runcmd import with_invoker_env
+
+        cfg = with_invoker_env(parse_config(text, "stallwatch run", base=Path.cwd()))
     else:
         if config is None:
             raise UsageError("give a command to supervise (stallwatch run -- COMMAND [ARGS]...) "
@@ -375,7 +380,8 @@ def run(
                                 ("--max-restarts", max_restarts), ("--alert", alert),
                                 ("--state-dir", state_dir), ("--rules", rules),
                                 ("--interval", interval), ("--startup-grace", startup_grace),
-                                ("--restart-backoff", restart_backoff),
+                                ("--restart-backoff", restart_backoff), ("--user", user),
+                                ("--group", group),
                                 ("--print-config", print_config)) if v]
         if restart != "no":
             given.append("--restart")
@@ -399,7 +405,8 @@ def run(
 def _oneliner_toml(command: list[str], *, name, log, outputs, server, progress_regex, restart,
                    max_restarts, alert, state_dir, rules, interval, startup_grace, dry_run,
                    restart_backoff: float | None = None, pid_file: Path | None = None,
-                   match: str | None = None) -> str:
+                   match: str | None = None, user: str | None = None,
+                   group: str | None = None) -> str:
     """The one-liner's options as the config file they stand for (stallwatch.oneliner)."""
     from stallwatch.oneliner import OneLiner, alert_table, default_state_dir, job_name, to_toml
 
@@ -414,13 +421,15 @@ def _oneliner_toml(command: list[str], *, name, log, outputs, server, progress_r
                   log=log and log.absolute(), outputs=outputs and outputs.absolute(),
                   server=server, progress_regex=progress_regex, restart=restart,
                   max_restarts=max_restarts, startup_grace_s=startup_grace,
-                  restart_backoff_s=restart_backoff,
+                  restart_backoff_s=restart_backoff, user=user, group=group,
                   rules=[r.absolute() for r in rules], alerts=[alert_table(a) for a in alert],
                   dry_run=dry_run, interval_s=interval)
     how = "stallwatch " + ("run" if command else "watch")
     return to_toml(ol.tables(), header=f"Written by `{how} --print-config`; run it with\n"
                    "`stallwatch run --config FILE` (exit_with_jobs: in the foreground, exits with "
-                   "the job).\nFor a service, set exit_with_jobs = false (docs/guide.md).")
+                   "the job).\nFor a service, set exit_with_jobs = false (docs/run.md). The "
+                   "one-liner passes your shell's\nenvironment to the job; from a file the job "
+                   "gets PATH, LANG, PYTHONPATH, CUDA_VISIBLE_DEVICES...\nand what `env` adds.")
 
 
 @app.command()

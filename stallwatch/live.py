@@ -11,7 +11,8 @@ the terminal's width. One lock orders every write to the terminal.
 The pass-through reads the job's log (which the wrapper writes) from where it ended when the run
 began, rather than sitting in a pipe between the job and its log: the job never depends on
 stallwatch being alive to write its output, so a killed stallwatch never kills the job with
-SIGPIPE. The log is opened without following a link (O_NOFOLLOW) and only as a regular file.
+SIGPIPE. The log is opened through stallwatch.safefs (no link followed on the way, a regular
+file only) and, for a job run as another user, passed through only if that user could read it.
 
 Plain lines (no terminal): one line when the verdict or phase changes, and a progress line every
 `every_s`: `stallwatch: extract: healthy · 120/1000 (12%) · 3.2/s · ETA 4 min 40 s · restarts 0/3`.
@@ -22,12 +23,12 @@ from __future__ import annotations
 import io
 import os
 import signal
-import stat
 import sys
 import threading
 import time
 from typing import Any, Callable
 
+from stallwatch import safefs
 from stallwatch.features import human_bytes, human_s
 from stallwatch.history import sparklines
 
@@ -45,8 +46,9 @@ class Tee:
     """Follow a log from its current end and hand every new chunk to `write`, unchanged."""
 
     def __init__(self, path: os.PathLike[str] | str, write: Callable[[bytes], None],
-                 poll_s: float = 0.05) -> None:
+                 poll_s: float = 0.05, reader: Any = None) -> None:
         self.path = os.fspath(path)
+        self.reader = reader  # a RunAs: pass only what that user could read
         self.write = write
         self.poll_s = poll_s
         self._stop = threading.Event()
@@ -63,12 +65,15 @@ class Tee:
         return self
 
     def _open(self) -> bool:
+        # On the job user's side of the trust boundary (docs/security.md): no link followed on
+        # the way, a regular file only (a FIFO or a device under the log's name is never read).
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = safefs.open_file(self.path)
         except OSError:
             return False
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)  # a FIFO or device under the log's name: never read it
+        if self.reader is not None and not safefs.readable_by(
+                os.fstat(fd), self.reader.uid, frozenset((self.reader.gid, *self.reader.groups))):
+            os.close(fd)
             return False
         self._fd = fd
         return True

@@ -100,6 +100,8 @@ class OneLiner:
     max_restarts: int | None = None
     startup_grace_s: float | None = None
     restart_backoff_s: float | None = None
+    user: str | None = None
+    group: str | None = None
     rules: list[Path] = field(default_factory=list)
     alerts: list[dict[str, Any]] = field(default_factory=list)
     dry_run: bool = False
@@ -114,7 +116,7 @@ class OneLiner:
             daemon["dry_run"] = True
         job: dict[str, Any] = {"name": self.name}
         for k in ("command", "pid_file", "match", "cwd", "log", "outputs", "server",
-                  "progress_regex"):
+                  "progress_regex", "user", "group"):
             v = getattr(self, k)
             if v is not None:
                 job[k] = [str(a) for a in v] if k == "command" else str(v)

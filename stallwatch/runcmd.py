@@ -68,7 +68,7 @@ def run_foreground(cfg: Config, *, terminal: bool | None = None, tee: bool | Non
         for j in cfg.job:
             if j.supervised:
                 log = j.log or (cfg.state_dir / "logs" / f"{j.name}.log")
-                tees.append(Tee(log, write).start())
+                tees.append(Tee(log, write, reader=_reader(j)).start())
     d = ForegroundDaemon(cfg, view=view, start_in_dry_run=start_in_dry_run)
     try:
         code = d.run()
@@ -81,6 +81,28 @@ def run_foreground(cfg: Config, *, terminal: bool | None = None, tee: bool | Non
             root.removeHandler(h)
             h.close()
     return code
+
+
+# What never passes from the invoker's shell to the job, even in a one-liner: the variables that
+# make the job look like a systemd service or its socket activation, and stallwatch's own alert
+# secrets (the job has no business with the Slack URL stallwatch alerts through).
+_NEVER_PASSED = ("NOTIFY_SOCKET", "WATCHDOG_PID", "WATCHDOG_USEC", "LISTEN_FDS", "LISTEN_PID",
+                 "LISTEN_FDNAMES", "SLACK_WEBHOOK_URL")
+
+
+def with_invoker_env(cfg: Config, environ: dict[str, str] | None = None) -> Config:
+    """`stallwatch run -- CMD` typed in a shell runs CMD with that shell's environment, as
+    `time CMD` or `nohup CMD` would (a virtualenv, CUDA_VISIBLE_DEVICES, HF_HOME...). The daemon
+    builds a job's environment from a short list instead (stallwatch.daemon.supervise: a service's
+    environment holds its secrets); so does a one-liner with --user, which starts the job as
+    someone else: the invoker's environment is theirs, not the job user's."""
+    env = dict(os.environ if environ is None else environ)
+    secrets = {getattr(a, "url_env", None) for a in cfg.alerts} - {None}
+    for k in (*_NEVER_PASSED, *secrets):
+        env.pop(k, None)
+    jobs = tuple(j if (not j.supervised or j.user is not None)
+                 else j.model_copy(update={"env": {**env, **dict(j.env)}}) for j in cfg.job)
+    return cfg.model_copy(update={"job": jobs})
 
 
 def watch_foreground(cfg: Config, pid: int | None) -> int:
@@ -96,6 +118,19 @@ def watch_foreground(cfg: Config, pid: int | None) -> int:
             f.write(f"{pid}\n")
         os.replace(tmp, job.pid_file)
     return run_foreground(cfg, tee=False)
+
+
+def _reader(job: Any) -> Any:
+    """Who the log is passed through for: its user, when the job runs as one (a log that user
+    could not read is never shown: it is not theirs)."""
+    if job.user is None:
+        return None
+    from stallwatch.daemon.supervise import SpawnError, resolve_user
+
+    try:
+        return resolve_user(job.user, job.group)
+    except SpawnError:
+        return None
 
 
 def _stdout_write(data: bytes) -> None:

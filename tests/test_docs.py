@@ -132,7 +132,8 @@ def test_every_builtin_rule_is_in_the_runbook_of_its_kind() -> None:
 # ---------------------------------------------------------------------------------- the guide
 
 # Commands with a page of their own may document their options there instead of in the guide.
-OWN_PAGE = {"demo": "demo.md", "alert test": "alerts.md", "run": "daemon.md", "status": "daemon.md"}
+OWN_PAGE = {"demo": "demo.md", "alert test": "alerts.md", "run": "daemon.md", "status": "daemon.md",
+            "watch": "run.md", "top": "run.md"}
 
 
 def _commands() -> Iterator[tuple[str, list[str]]]:
