@@ -67,8 +67,8 @@ def _watchdog_timeout(snap: Snapshot, server: dict[str, Any]) -> tuple[float | N
     """The hard watchdog's timeout: /server_info's server args, the log's, the command line, or
     SGLang's default when the server is SGLang (it has scheduler processes)."""
     s = snap.server
-    if s is not None and s.server_args_known:
-        return s.watchdog_timeout_s, "from /server_info"
+    if s is not None and s.watchdog_timeout_s is not None:
+        return s.watchdog_timeout_s, f"from {s.info_route or '/server_info'}"
     slog = snap.server_log
     if slog is not None and slog.args_watchdog_timeout_s is not None:
         return slog.args_watchdog_timeout_s, "from the server's log"

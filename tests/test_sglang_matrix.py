@@ -208,7 +208,8 @@ def test_rank_stopped_mid_batch_hangs_then_the_watchdog_kills_it(matrix, shape):
     assert any("one rank is stuck while the others wait on it" in e for e in hang.evidence), str(r)
     assert any("TP1 pid" in e and "state T" in e for e in _ev(hang, "rank")), str(r)
     watchdog = " ".join(_ev(hang, "watchdog"))
-    assert f"SGLang's watchdog (--watchdog-timeout {WATCHDOG_S:g} s, from /server_info) kills the whole " \
+    route = "/server_info" if shape == "current" else "/get_server_info"  # whichever answers
+    assert f"SGLang's watchdog (--watchdog-timeout {WATCHDOG_S:g} s, from {route}) kills the whole " \
         f"server {WATCHDOG_S:g}-{1.5 * WATCHDOG_S + 5:g} s after the last forward step" in watchdog, str(r)
     # SGLang's own watchdog fires 20-30 s after the last forward, +5 s: the verdict turns, with the cause
     assert f"SGLang's watchdog killed it after {WATCHDOG_S:g} s without a forward step on TP0" in down.summary, str(r)
