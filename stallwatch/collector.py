@@ -130,7 +130,7 @@ class Collector:
             self.server_log.discover(found[0], found[1], root.uid)
 
     def close(self) -> None:
-        for p in (self.gpu, self.outputs, self.kernel, self.server):
+        for p in (self.gpu, self.outputs, self.kernel, self.server, self.disks):
             close = getattr(p, "close", None)
             if close:
                 close()

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import posixpath
+import select
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Literal
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
@@ -127,6 +129,12 @@ class DisksProbe:
         # are reused while its text stays the same (the devices for at most DEVICE_TTL_S).
         self._mi_text: str | None = None
         self._mi_parsed: list[MountInfo] = []
+        # On the real procfs mountinfo is pollable (proc(5)): a mount or unmount raises POLLPRI on
+        # a descriptor kept open, so it is re-read only then, not every tick. Fixture trees (and a
+        # poll that fails) fall back to reading it every tick and comparing the text.
+        self._mi_poll: select.poll | None = None
+        self._mi_fd: int | None = None
+        self._mi_fresh = False  # read since the last event: nothing changed until POLLPRI
         self._devices: dict[MountInfo, tuple[BlockDeviceRef | None, float]] = {}
         self._prev: dict[str, tuple[DiskStat, float]] = {}
         self._stuck_since: dict[str, float] = {}
@@ -161,10 +169,46 @@ class DisksProbe:
 
     # -- kernel-memory sources (cannot hang) ---------------------------------------------------
 
+    def _mountinfo_changed(self, path: Path) -> bool:
+        """False only when a kept, polled descriptor says nothing was mounted or unmounted since
+        the last read."""
+        if self._mi_poll is None and self._mi_fd is None:
+            try:
+                on_procfs = os.stat(self.roots.proc).st_ino == 1  # PROC_ROOT_INO
+                if on_procfs:
+                    self._mi_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                    self._mi_poll = select.poll()
+                    self._mi_poll.register(self._mi_fd, select.POLLPRI | select.POLLERR)
+            except OSError:
+                self._mi_poll = None
+            if self._mi_poll is None:
+                self._mi_fd = -1  # never again: read every tick
+            return True
+        if self._mi_poll is None or not self._mi_fresh:
+            return True
+        try:
+            events = self._mi_poll.poll(0)
+        except OSError:
+            events = [(self._mi_fd, select.POLLERR)]
+        if events and any(ev & select.POLLNVAL for _, ev in events):
+            self.close()
+        return bool(events)
+
+    def close(self) -> None:
+        """The kept mountinfo descriptor (the statvfs workers end on their own)."""
+        if self._mi_fd is not None and self._mi_fd >= 0:
+            os.close(self._mi_fd)
+        self._mi_poll, self._mi_fd, self._mi_fresh = None, -1, False
+
     def _mountinfo(self, errors: list[str]) -> tuple[list[MountInfo], ProbeStatus]:
         who = str(self.mountinfo_pid) if self.mountinfo_pid else "self"
+        path = self.roots.proc / who / "mountinfo"
+        if not self._mountinfo_changed(path):
+            return self._mi_parsed, ProbeStatus.ok
+        self._mi_fresh = False
         try:
-            text = self.roots.read_text(self.roots.proc / who / "mountinfo", 16 << 20)
+            text = self.roots.read_text(path, 16 << 20)
+            self._mi_fresh = True
             if text != self._mi_text:
                 self._mi_text, self._mi_parsed = text, parse_mountinfo(text)
                 self._devices.clear()
