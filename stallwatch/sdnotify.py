@@ -60,7 +60,11 @@ class Notifier:
         try:
             if self._sock is None:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-            self._sock.sendto(data, self.address)
+            # MSG_DONTWAIT: a receiver that stopped reading (a wedged systemd, a test's socket)
+            # fills its queue, and a blocking sendto would stop the daemon's tick, and its
+            # SIGTERM handling, with it. A heartbeat that cannot be queued now is dropped
+            # (EAGAIN, counted below); the next tick sends a fresh one.
+            self._sock.sendto(data, socket.MSG_DONTWAIT, self.address)
             return True
         except OSError as e:
             # systemd gone (daemon-reexec in progress) or the socket not there: the heartbeat

@@ -81,3 +81,17 @@ def test_watchdog_usec(monkeypatch: pytest.MonkeyPatch) -> None:
     assert Notifier("/x").watchdog_usec() == 60_000_000
     monkeypatch.setenv("WATCHDOG_PID", "1")  # meant for another process
     assert Notifier("/x").watchdog_usec() is None
+
+
+def test_a_receiver_that_stops_reading_never_blocks_the_sender(listener) -> None:
+    # A full receive queue: a blocking sendto would hang here (and the daemon's tick with it).
+    path, s = listener
+    n = Notifier(path)
+    sent = 0
+    while n.send(WATCHDOG=1, STATUS="x" * 200):
+        sent += 1
+        assert sent < 100_000, "the queue never filled"
+    assert sent > 0 and n.errors == 1 and n.last_error
+    # Once the receiver reads again, the next heartbeat goes through on a fresh socket.
+    s.recv(4096)
+    assert n.send(WATCHDOG=1)
