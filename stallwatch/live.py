@@ -26,6 +26,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from typing import Any, Callable
 
 from stallwatch import safefs
@@ -120,7 +121,41 @@ class Tee:
 
 # ------------------------------------------------------------------------------- what is shown
 
-def job_view(runner: Any) -> dict[str, Any]:
+class Pace:
+    """Rate and ETA of each rank's bar. The log's bars (stallwatch.bars) carry done and total,
+    not a rate: the rate is done now against done `window_s` ago, as this view saw them."""
+
+    def __init__(self, window_s: float = 30.0) -> None:
+        self.window_s = window_s
+        self.seen: dict[tuple[str, int], deque[tuple[float, float]]] = {}
+
+    def rate(self, key: tuple[str, int], t: float, done: float) -> float | None:
+        q = self.seen.setdefault(key, deque())
+        if q and done < q[-1][1]:
+            q.clear()  # a new run: its bar starts over
+        q.append((t, done))
+        while len(q) > 2 and t - q[1][0] >= self.window_s:
+            q.popleft()
+        t0, d0 = q[0]
+        return (done - d0) / (t - t0) if t > t0 else None
+
+
+def _rank_bars(name: str, lg: dict[str, Any], pace: Pace | None, now: float) -> list[dict]:
+    bars = [b for b in lg.get("bars") or () if isinstance(b, dict)]
+    if len(bars) < 2:
+        return []  # one bar is the job's own progress, shown already
+    out = []
+    for b in bars:
+        total = b["total"] if (b.get("total") or -1) > 0 else None
+        rate = pace.rate((name, b["position"]), now, b["done"]) if pace is not None else None
+        eta = (total - b["done"]) / rate if total and rate and rate > 0 else None
+        out.append({"rank": b["position"], "done": b["done"], "total": total,
+                    "rate_per_s": rate, "eta_s": None if b.get("complete") else eta,
+                    "idle_s": None if b.get("complete") else b.get("idle_s")})
+    return out
+
+
+def job_view(runner: Any, pace: Pace | None = None, now: float | None = None) -> dict[str, Any]:
     """What the views show of one job, from its runner (read only, once per tick)."""
     v = runner.last_vars or {}
     verdict = runner.verdict
@@ -159,8 +194,7 @@ def job_view(runner: Any) -> dict[str, Any]:
         "restarts": int(row.get("restarts") or 0) if runner.cfg.supervised else None,
         "max_restarts": runner.cfg.max_restarts if runner.cfg.restart == "on-failure" else None,
         "progress": _progress(lg),
-        "ranks": [_progress(r) | {"rank": r.get("rank")} for r in lg.get("ranks") or ()
-                  if isinstance(r, dict)],
+        "ranks": _rank_bars(runner.name, lg, pace, time.monotonic() if now is None else now),
         "gpus": [{"index": g["index"], "util_pct": g.get("util_pct", -1.0),
                   "mem_used_bytes": g.get("mem_used_bytes", 0.0),
                   "mem_total_bytes": g.get("mem_total_bytes", 0.0)} for g in gpus],
@@ -296,6 +330,7 @@ class Footer:
         self._old_winch: Any = None
         self.draw_s = 0.0  # CPU time spent drawing (the benchmark reads it)
         self.draws = 0
+        self.pace = Pace()
 
     def start(self) -> "Footer":
         try:
@@ -363,7 +398,7 @@ class Footer:
 
     def update(self, daemon: Any) -> None:
         t0 = time.process_time()
-        views = [job_view(r) for r in daemon.jobs.values()]
+        views = [job_view(r, self.pace) for r in daemon.jobs.values()]
         self._last = footer_text(views, max(20, self.cols))
         self._redraw(self._last)
         self.draw_s += time.process_time() - t0

@@ -141,3 +141,32 @@ def test_footer_rows_fit_the_width_and_show_each_rank() -> None:
     assert "50/100 (50%)" in rows[3] and "20/100 (20%)" in rows[4]
     assert rows[5] == "GPU0 97% 16.0 GiB/128.0 GiB"
     assert all(len(r) <= 72 for r in rows)
+
+
+def test_rank_bars_get_a_rate_and_eta_from_what_the_view_saw() -> None:
+    from types import SimpleNamespace
+
+    from stallwatch.live import Pace, job_view
+
+    pace = Pace(window_s=30.0)
+
+    def runner(done0: float, done1: float):
+        lg = {"has_progress": True, "done": done0 + done1, "total": 200.0, "total_known": True,
+              "bars": [{"position": 0, "done": done0, "total": 100.0, "idle_s": 0.5,
+                        "complete": done0 >= 100},
+                       {"position": 1, "done": done1, "total": 100.0, "idle_s": 12.0,
+                        "complete": False}]}
+        db = SimpleNamespace(incidents=lambda *a, **k: [], job=lambda n: {"restarts": 0},
+                             actions=lambda i: [])
+        return SimpleNamespace(name="x", db=db, phase="running", verdict=None, run_row=None,
+                               last_vars={"log": lg}, history=SimpleNamespace(samples=[]),
+                               cfg=SimpleNamespace(supervised=True, restart="no", max_restarts=3))
+
+    assert [r["rate_per_s"] for r in job_view(runner(10, 10), pace, now=100.0)["ranks"]] == \
+        [None, None]  # one sighting: no rate yet
+    ranks = job_view(runner(30, 10), pace, now=110.0)["ranks"]
+    assert [(r["rank"], r["rate_per_s"]) for r in ranks] == [(0, 2.0), (1, 0.0)]
+    assert ranks[0]["eta_s"] == 35.0 and ranks[1]["eta_s"] is None  # a stopped bar: no ETA
+    assert ranks[1]["idle_s"] == 12.0
+    ranks = job_view(runner(5, 12), pace, now=120.0)["ranks"]  # bar 0 started over (a restart)
+    assert ranks[0]["rate_per_s"] is None and ranks[1]["rate_per_s"] == 0.1
