@@ -498,30 +498,10 @@ def status(
         if json_out:
             raise UsageError("--watch draws a table: it does not go with --json")
         return top(config=config, state_dir=state_dir, every=every)
-    import os
-
-    from stallwatch.config import default_state_dir, load_config
     from stallwatch.daemon.status import exit_code, render_status, status_doc
     from stallwatch.state import StateDB
 
-    names = None
-    if config is None and state_dir is None:
-        env = os.environ.get("STALLWATCH_CONFIG")
-        if env:
-            config = Path(env)
-        elif Path("/etc/stallwatch.toml").exists():
-            config = Path("/etc/stallwatch.toml")
-    if config is not None:
-        try:
-            cfg = load_config(config, check_permissions=False)
-        except UsageError as e:
-            if state_dir is None:
-                raise
-            print(f"stallwatch: warning: {e} (reading {state_dir} anyway)", file=sys.stderr)
-        else:
-            names = [j.name for j in cfg.job]
-            state_dir = state_dir or cfg.state_dir
-    state_dir = state_dir or default_state_dir()
+    state_dir, names = _status_source(config, state_dir)
     db = StateDB.open_readonly(state_dir)
     try:
         doc = status_doc(db, Path(state_dir), names)
