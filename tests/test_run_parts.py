@@ -170,3 +170,21 @@ def test_rank_bars_get_a_rate_and_eta_from_what_the_view_saw() -> None:
     assert ranks[1]["idle_s"] == 12.0
     ranks = job_view(runner(5, 12), pace, now=120.0)["ranks"]  # bar 0 started over (a restart)
     assert ranks[0]["rate_per_s"] is None and ranks[1]["rate_per_s"] == 0.1
+
+
+def test_a_recorded_h200_stop_drawn_from_its_trace() -> None:
+    """The trace recorded on an H200 (tests/data/gpu_h200_stop_kill.jsonl): the job ran at full
+    GPU, then its progress stopped while the GPU went idle, then it was killed and the memory
+    freed. Drawn from the trace with the function the daemon samples its ticks with."""
+    from stallwatch.history import samples_from_trace
+
+    rows = {r["key"]: r for r in sparklines(
+        samples_from_trace(Path(__file__).parent / "data" / "gpu_h200_stop_kill.jsonl"),
+        300.0, 40)}
+    gpu, rate, mem = rows["gpu"]["spark"], rows["rate"]["spark"], rows["gpu_mem"]["spark"]
+    assert rows["gpu"]["max"] == pytest.approx(100.0) and rows["gpu"]["now"] == 0.0
+    stop = rate.index(BARS[0])  # progress stopped here...
+    assert set(rate[:stop]) <= set(BARS[3:]) and set(rate[stop:].strip()) == {BARS[0]}
+    assert gpu[:stop - 1] == BARS[-1] * (stop - 1)  # ...with the GPU busy until then...
+    assert set(gpu[stop + 1:]) <= {BARS[0], BARS[1]}  # ...and idle after
+    assert mem.index(BARS[0]) > stop + 5  # the memory held on, until the kill freed it
