@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from stallwatch import safefs
 from stallwatch.config import JobConfig
+from stallwatch.daemon.alertmemory import AlertMemory
 from stallwatch.daemon.recovery import Recovery, candidates_from, run_in_thread
 from stallwatch.daemon.supervise import (SpawnError, find_wrapper, identity_alive,
                                          identity_exists, proc_state, read_status,
@@ -75,6 +76,7 @@ class JobRunner:
         self.toolkit = daemon.toolkit
         self.rules = rules
         self.evaluator = Evaluator(rules)
+        self.alert_memory = AlertMemory(self.name, self.db)  # timers and health, in the db
         self.collector = None
         self.phase = "new"
         self.run_row: dict[str, Any] | None = None
@@ -268,8 +270,13 @@ class JobRunner:
         afresh = self.recovery is None and self._afresh(self.phase, old_json)
         self.db.update_job(self.name, config_json=self.config_json())
         if rules_changed:
+            # Pending `for` timers and firing alerts carry over by rule name and labels
+            # (Evaluator.carry_from says what carries when a rule changed).
             self.rules = rules
-            self.evaluator = Evaluator(rules)
+            fresh = Evaluator(rules)
+            carried = fresh.carry_from(self.evaluator)
+            self.evaluator = fresh
+            log.info("job %s: new rules: %d alert(s) carried over", self.name, carried)
         if refresh and self.collector is not None:
             pids = self.collector.target.pids
             processes = self.collector.processes
@@ -314,6 +321,8 @@ class JobRunner:
         self.db.update_job(self.name, config_json=self.config_json())
         row = self.db.job(self.name)
         self.phase = row["phase"]
+        if row["phase"] != "new":  # not afresh: the previous daemon's `for` timers resume
+            self.alert_memory.restore(self.evaluator, row["verdict_at"], self.clock.time())
         for inc in self.db.open_incidents(self.name):
             self.incidents[inc["kind"]] = {"id": inc["id"], "episode": inc["episode"]}
         self._ensure_collector()
@@ -703,6 +712,7 @@ class JobRunner:
         self._say_log_refused(snap)
         v = features(snap)
         ev = self.evaluator.evaluate(v, snap.t_mono)
+        self.alert_memory.save(self.evaluator, snap.t_mono, snap.t_wall)
         self.last_snap, self.last_eval, self.last_vars = snap, ev, v
         self._record(snap, v)
         if snap.processes is not None and snap.processes.processes:

@@ -109,6 +109,9 @@ def status_doc(db: StateDB, state_dir: Path, job_names: list[str] | None = None,
             "watch_warnings": watch_warnings,
         }
         doc["sparklines"] = _sparklines(meta.get(f"history:{name}"))
+        # Each rule's health (ok, err, unknown = not evaluated yet) and last error, as the daemon
+        # last saw them (daemon/alertmemory.py); a rule that errs leaves the job unjudged by it.
+        doc["rules"] = _rules(meta.get(f"rules:{name}"))
         if not supervised:
             doc["note"] = (f"attached by {row['mode']}: stallwatch did not start this job and "
                            "never restarts it")
@@ -184,6 +187,26 @@ def _signame(n: int) -> str:
         return signal.Signals(n).name
     except ValueError:
         return f"signal {n}"
+
+
+def _rules(raw: str | None) -> list[dict[str, str]]:
+    try:
+        docs = json.loads(raw) if raw else []
+    except ValueError:
+        return []
+    return [d for d in docs if isinstance(d, dict)] if isinstance(docs, list) else []
+
+
+def rules_line(rules: list[dict[str, str]]) -> str:
+    """"rules: 27 ok, 1 err (hang: condition: no such key 'x')"; "" before the first tick."""
+    if not rules:
+        return ""
+    counts: dict[str, int] = {}
+    for r in rules:
+        counts[r.get("health", "unknown")] = counts.get(r.get("health", "unknown"), 0) + 1
+    text = "rules: " + ", ".join(f"{n} {h}" for h, n in sorted(counts.items()))
+    errs = [f"{r.get('rule')}: {r.get('last_error')}" for r in rules if r.get("health") == "err"]
+    return text + (f" ({'; '.join(errs)})" if errs else "")
 
 
 def _sparklines(raw: str | None) -> str:
@@ -262,6 +285,9 @@ def status_renderable(doc: dict[str, Any]):
     for j in doc["jobs"]:
         for w in j.get("watch_warnings") or ():
             console.print(f"[yellow]{escape(j['name'])}: warning:[/] {escape(w)}")
+        line = rules_line(j.get("rules") or [])
+        if line:
+            console.print(f"{escape(j['name'])}: {escape(line)}")
     for j in doc["jobs"]:
         if j.get("sparklines"):
             parts.append(Text(f"{j['name']}, the last minutes:", style="bold"))

@@ -4,6 +4,14 @@ inactive -> pending (condition true) -> firing (true for `for` seconds) -> resol
 `keep_firing_for`). A pending instance whose condition is false once is dropped, so the `for`
 timer restarts. Time is the caller's monotonic `now`; nothing here reads a clock, which keeps
 replay and tests deterministic.
+
+One owner: `AlertState` is the state type (zero value `unknown`: not evaluated yet; a value
+outside it raises) and `_Instance.enter` its only mutator, with the allowed edges as data
+(`_EDGES`). The state outlives the `Evaluator` that made it in two ways (docs/alerting.md,
+"Alert state across reloads and restarts"): `Evaluator.carry_from` copies it across a reload by
+rule name and labels (Prometheus' rules/manager.go + group.go `CopyState`), and
+`export`/`restore` keep `for` timers across a daemon restart (Prometheus' `RestoreForState`),
+bounded by an outage tolerance. Each rule also has a health and a last error (rules/rule.go).
 """
 
 from __future__ import annotations
@@ -18,19 +26,54 @@ from .expr import ExprEvalError, Vars, prepare
 from .rulefile import Rule, RuleSet
 
 __all__ = [
-    "Alert", "AlertState", "EvalError", "Evaluation", "Evaluator", "EvidenceItem", "Transition",
-    "Verdict", "evaluate_once",
+    "Alert", "AlertState", "EvalError", "Evaluation", "Evaluator", "EvidenceItem",
+    "FOR_OUTAGE_TOLERANCE_S", "RuleHealth", "RuleStatus", "Transition", "Verdict",
+    "evaluate_once",
 ]
 
 RESOLVED_RETENTION_S = 900.0  # Prometheus keeps resolved alerts 15 min so receivers see them
+# A daemon down longer than this restores no `for` timer: what held before such an outage says
+# little about now (Prometheus' --rules.alert.for-outage-tolerance, default 1h, v2.x-3.x).
+FOR_OUTAGE_TOLERANCE_S = 3600.0
 _SEVERITY_RANK = {"info": 0, "warning": 1, "critical": 2}
 
 
 class AlertState(str, Enum):
+    """An alert instance's state. `AlertState("bogus")` raises ValueError: a stored or passed
+    state outside this set is a bug or corruption, never silently some state."""
+    UNKNOWN = "unknown"          # the zero value: not evaluated yet
     INACTIVE = "inactive"
     PENDING = "pending"
     FIRING = "firing"
     RESOLVED = "resolved"
+
+
+# The allowed edges, as data: `_Instance.enter` refuses any other. unknown -> firing is the
+# restore of a firing instance after a daemon restart (it goes through pending on the way, so
+# the edge is unknown -> pending -> firing at the restored times); resolved -> pending never
+# happens in place: a resolved instance whose condition holds again is a new instance.
+_EDGES: dict[AlertState, frozenset[AlertState]] = {
+    AlertState.UNKNOWN: frozenset({AlertState.PENDING}),
+    AlertState.INACTIVE: frozenset({AlertState.PENDING}),
+    AlertState.PENDING: frozenset({AlertState.FIRING, AlertState.INACTIVE}),
+    AlertState.FIRING: frozenset({AlertState.RESOLVED}),
+    AlertState.RESOLVED: frozenset(),
+}
+
+
+class RuleHealth(str, Enum):
+    """Prometheus' rules/rule.go RuleHealth: unknown until the rule is evaluated once."""
+    UNKNOWN = "unknown"
+    OK = "ok"
+    ERR = "err"
+
+
+class RuleStatus(Frozen):
+    rule: str
+    health: RuleHealth = RuleHealth.UNKNOWN
+    last_error: str = ""         # "where: error" when it failed this tick; "" once it passes
+    # How many ticks in a row it failed is daemon/watchwarn.py's to count (it turns a streak
+    # into a warning); this is the rule's state now.
 
 
 class EvidenceItem(Frozen):
@@ -92,6 +135,7 @@ class Evaluation(Frozen):
     warnings: tuple[Alert, ...] = ()     # firing instances of `warning = true` rules
     transitions: tuple[Transition, ...] = ()
     errors: tuple[EvalError, ...] = ()
+    health: tuple[RuleStatus, ...] = ()  # one per rule, in rule-file order
 
     def names(self, state: AlertState | str) -> list[str]:
         return sorted({a.rule for a in self.alerts if a.state == state})
@@ -109,13 +153,29 @@ class _Text:
 class _Instance:
     rule: Rule
     labels: tuple[tuple[str, str], ...]
-    state: AlertState
-    active_at: float
-    since: float
+    state: AlertState = AlertState.UNKNOWN
+    active_at: float = 0.0
+    since: float = 0.0
     fired_at: float | None = None
     resolved_at: float | None = None
     keep_firing_since: float | None = None
     text: _Text = field(default_factory=_Text)
+
+    def enter(self, to: AlertState, at: float) -> AlertState:
+        """The only code that changes `state`; returns the state left. An edge not in `_EDGES`
+        raises: it would be a bug in this module, not something a rule file can cause."""
+        to = AlertState(to)
+        before = self.state
+        if to not in _EDGES[before]:
+            raise ValueError(f"alert {self.rule.name}: no edge {before.value} -> {to.value}")
+        self.state, self.since = to, at
+        if to == AlertState.PENDING:
+            self.active_at = at
+        elif to == AlertState.FIRING:
+            self.fired_at = at
+        elif to == AlertState.RESOLVED:
+            self.resolved_at = at
+        return before
 
     def snapshot(self) -> Alert:
         r, t = self.rule, self.text
@@ -129,6 +189,13 @@ class _Instance:
 _Key = tuple[str, tuple[tuple[str, str], ...]]
 
 
+class _Saved(Frozen):
+    """A pending or firing instance as a restarted daemon gets it back: how long it had been
+    active (and firing) when the old daemon last evaluated it."""
+    active_s: float
+    firing_s: float | None = None
+
+
 class Evaluator:
     """Holds alert state across evaluations of one rule set (one per job)."""
 
@@ -140,6 +207,75 @@ class Evaluator:
         self._active: dict[_Key, _Instance] = {}
         self._last: float | None = None
         self._order = {r.name: i for i, r in enumerate(rules)}
+        self._health: dict[str, RuleStatus] = {r.name: RuleStatus(rule=r.name) for r in rules}
+        self._restore: dict[_Key, _Saved] = {}  # used by the first evaluation, then dropped
+
+    # -- state that outlives this evaluator
+
+    def carry_from(self, old: "Evaluator") -> int:
+        """Take over `old`'s alert state after a reload, by rule name and labels, as Prometheus
+        does (rules/group.go CopyState). An instance whose rule is gone is dropped. One whose
+        rule changed (condition, `for`, kind, severity, text) keeps its state and timers and is
+        judged by the new rule from the next tick on: a condition now false drops a pending
+        instance and resolves a firing one (after `keep_firing_for`); a new `for` applies to the
+        time already pending. Health carries too. Returns the instances carried."""
+        by_name = {r.name: r for r in self.rules}
+        for (name, labels), inst in old._active.items():
+            rule = by_name.get(name)
+            if rule is not None:
+                inst.rule = rule
+                self._active[(name, labels)] = inst
+        self._restore = {k: v for k, v in old._restore.items() if k[0] in by_name}
+        self._health.update({n: h for n, h in old._health.items() if n in by_name})
+        self._last = old._last
+        return len(self._active)
+
+    def export(self, now: float, now_wall: float) -> list[dict[str, Any]]:
+        """Pending and firing instances with wall-clock anchors, for the state database; the
+        monotonic clock does not survive a reboot, wall time does."""
+        out = []
+        for (name, labels), inst in self._active.items():
+            if inst.state not in (AlertState.PENDING, AlertState.FIRING):
+                continue
+            doc: dict[str, Any] = {"rule": name, "labels": dict(labels),
+                                   "state": inst.state.value,
+                                   "active_at": round(now_wall - (now - inst.active_at), 3)}
+            if inst.fired_at is not None:
+                doc["fired_at"] = round(now_wall - (now - inst.fired_at), 3)
+            out.append(doc)
+        return out
+
+    def restore(self, docs: list[dict[str, Any]], down_at: float, now_wall: float, *,
+                tolerance_s: float = FOR_OUTAGE_TOLERANCE_S) -> int:
+        """Give a restarted daemon the timers of `export`'s docs, saved by a daemon that last
+        evaluated at wall time `down_at`. Bounded, after Prometheus' RestoreForState:
+        - an outage longer than `tolerance_s` restores nothing (timers start over);
+        - the outage itself does not count as pending time: nothing was observed then, so a
+          timer resumes where it stopped (Prometheus shifts activeAt by the outage too);
+        - a timer is only taken back by an instance whose condition holds at the first
+          evaluation after the restart, with the same rule name and labels: a restored firing
+          alert stays firing on fresh evidence, never on old evidence alone.
+        Raises ValueError for a doc with an unknown state. Returns the timers kept."""
+        outage_s = max(0.0, now_wall - down_at)
+        saved: dict[_Key, _Saved] = {}
+        for d in docs:
+            state = AlertState(d["state"])
+            if state not in (AlertState.PENDING, AlertState.FIRING):
+                raise ValueError(f"saved alert {d.get('rule')!r}: state {state.value} is not kept")
+            labels = tuple(sorted((str(k), str(v)) for k, v in dict(d["labels"]).items()))
+            fired = d.get("fired_at") if state == AlertState.FIRING else None
+            saved[(str(d["rule"]), labels)] = _Saved(
+                active_s=max(0.0, down_at - float(d["active_at"])),
+                firing_s=None if fired is None else max(0.0, down_at - float(fired)))
+        if outage_s > tolerance_s:
+            return 0
+        self._restore = {k: v for k, v in saved.items() if k[0] in self._order}
+        return len(self._restore)
+
+    def health(self) -> tuple[RuleStatus, ...]:
+        return tuple(self._health[r.name] for r in self.rules)
+
+    # -- evaluation
 
     def evaluate(self, data: Mapping[str, Any] | Vars, now: float) -> Evaluation:
         if self._last is not None and now < self._last:
@@ -157,13 +293,15 @@ class Evaluator:
             errors.append(EvalError(rule="*", where="variables", error=str(exc)[:500]))
         for rule in self.rules if env is not None else ():
             self._evaluate_rule(rule, env, now, errors, transitions)
+        self._restore = {}  # Prometheus restores once, at the first evaluation
+        self._note_health(errors)
         alerts = sorted((i.snapshot() for i in self._active.values()),
                         key=lambda a: (self._order[a.rule], sorted(a.labels.items())))
         firing = [a for a in alerts if a.state == AlertState.FIRING]
         return Evaluation(
             at=now, verdict=_verdict([a for a in firing if not a.warning]),
             alerts=tuple(alerts), warnings=tuple(a for a in firing if a.warning),
-            transitions=tuple(transitions), errors=tuple(errors))
+            transitions=tuple(transitions), errors=tuple(errors), health=self.health())
 
     def evaluate_once(self, data: Mapping[str, Any] | Vars, *, ignore_for: bool = True
                       ) -> Evaluation:
@@ -173,6 +311,19 @@ class Evaluator:
         conditions test durations the collectors computed (`log.idle_s > 30`).
         """
         return Evaluator(self.rules, ignore_for=ignore_for).evaluate(data, 0.0)
+
+    def _note_health(self, errors: list[EvalError]) -> None:
+        first: dict[str, EvalError] = {}
+        for e in errors:
+            first.setdefault(e.rule, e)
+        every = first.get("*")  # the variables failed: no rule was evaluated
+        for name in self._health:
+            e = first.get(name, every)
+            if e is None:
+                self._health[name] = RuleStatus(rule=name, health=RuleHealth.OK)
+            else:
+                self._health[name] = RuleStatus(rule=name, health=RuleHealth.ERR,
+                                                last_error=f"{e.where}: {e.error}")
 
     # -- one rule
 
@@ -195,10 +346,17 @@ class Evaluator:
             seen = (rule.name, labels)
             inst = self._active.get(seen)
             if inst is None or inst.state == AlertState.RESOLVED:
-                inst = _Instance(rule, labels, AlertState.PENDING, active_at=now, since=now)
+                inst = _Instance(rule, labels)
                 self._active[seen] = inst
                 inst.text = _render_text(rule, env, errors)
-                transitions.append(_transition(inst, AlertState.INACTIVE, now))
+                saved = self._restore.get((rule.name, tuple(sorted(labels))))
+                if saved is None:
+                    inst.enter(AlertState.PENDING, now)
+                    transitions.append(_transition(inst, AlertState.INACTIVE, now))
+                else:  # a timer from before a daemon restart: no transition, nothing new
+                    inst.enter(AlertState.PENDING, now - saved.active_s)
+                    if saved.firing_s is not None:
+                        inst.enter(AlertState.FIRING, now - saved.firing_s)
             else:
                 inst.text = _render_text(rule, env, errors)
         for key, inst in list(self._active.items()):
@@ -216,20 +374,17 @@ class Evaluator:
                 keep = now - inst.keep_firing_since < rule.keep_firing_for_s
             if inst.state == AlertState.PENDING:
                 del self._active[key]
-                inst.state, inst.since = AlertState.INACTIVE, now
-                transitions.append(_transition(inst, AlertState.PENDING, now))
+                transitions.append(_transition(inst, inst.enter(AlertState.INACTIVE, now), now))
             elif inst.state == AlertState.RESOLVED:
                 if now - (inst.resolved_at or now) > self.resolved_retention_s:
                     del self._active[key]
             elif inst.state == AlertState.FIRING and not keep:
-                inst.state, inst.since, inst.resolved_at = AlertState.RESOLVED, now, now
-                transitions.append(_transition(inst, AlertState.FIRING, now))
+                transitions.append(_transition(inst, inst.enter(AlertState.RESOLVED, now), now))
             return
         inst.keep_firing_since = None
         hold = 0.0 if self.ignore_for else rule.for_s
         if inst.state == AlertState.PENDING and now - inst.active_at >= hold:
-            inst.state, inst.since, inst.fired_at = AlertState.FIRING, now, now
-            transitions.append(_transition(inst, AlertState.PENDING, now))
+            transitions.append(_transition(inst, inst.enter(AlertState.FIRING, now), now))
 
 
 def evaluate_once(rules: RuleSet, data: Mapping[str, Any] | Vars, *, ignore_for: bool = True

@@ -1,0 +1,88 @@
+"""A job's alert state in the state database, so that a restarted daemon resumes its `for`
+timers (engine/alerting.py `Evaluator.export`/`restore`, after Prometheus' RestoreForState), and
+each rule's health for `stallwatch status`.
+
+Two meta rows per job, written only when they change (not every tick: the timers are stored as
+wall-clock anchors, which do not move while an alert stays put):
+- `alerts:<job>`: the pending and firing instances, `{"rule", "labels", "state", "active_at",
+  "fired_at"}` with wall times;
+- `rules:<job>`: `[{"rule", "health", "last_error"}]`, one per rule, in rule-file order.
+When the old daemon stopped observing is the job row's `verdict_at` (written every tick): the
+outage is measured from there, and the timers resume from there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from stallwatch.engine.alerting import Evaluator
+from stallwatch.state import StateDB
+
+log = logging.getLogger("stallwatch.daemon")
+
+ANCHOR_SLACK_S = 1.0  # wall anchors recomputed each tick jitter by microseconds; a step is news
+
+
+def alerts_key(job: str) -> str:
+    return f"alerts:{job}"
+
+
+def rules_key(job: str) -> str:
+    return f"rules:{job}"
+
+
+class AlertMemory:
+    """One per job: what was last written, so that an unchanged state costs no write."""
+
+    def __init__(self, job: str, db: StateDB) -> None:
+        self.job = job
+        self.db = db
+        self._alerts: list[dict[str, Any]] | None = None
+        self._health: list[dict[str, str]] | None = None
+
+    def restore(self, evaluator: Evaluator, down_at: float | None, now_wall: float) -> int:
+        """Hand the previous daemon's timers to `evaluator`; a row that cannot be read is logged
+        and ignored (timers start over), never a reason not to start."""
+        raw = self.db.get_meta(alerts_key(self.job))
+        if not raw or down_at is None:
+            return 0
+        try:
+            docs = json.loads(raw)
+            kept = evaluator.restore(docs, float(down_at), now_wall)
+        except (ValueError, TypeError, KeyError) as e:
+            log.warning("job %s: the saved alert state cannot be read (%s): timers start over",
+                        self.job, e)
+            return 0
+        outage_s = max(0.0, now_wall - float(down_at))
+        log.info("job %s: %d of %d saved alert timer(s) restored after %.1f s without a daemon",
+                 self.job, kept, len(docs), outage_s)
+        self._alerts = docs
+        return kept
+
+    def save(self, evaluator: Evaluator, now: float, now_wall: float) -> None:
+        docs = evaluator.export(now, now_wall)
+        if self._alerts is None or _moved(self._alerts, docs):
+            self.db.set_meta(alerts_key(self.job), json.dumps(docs))
+            self._alerts = docs
+        health = [{"rule": h.rule, "health": h.health.value, "last_error": h.last_error}
+                  for h in evaluator.health()]
+        if health != self._health:
+            self.db.set_meta(rules_key(self.job), json.dumps(health))
+            self._health = health
+
+
+def _moved(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> bool:
+    def ident(d: dict[str, Any]) -> tuple:
+        return d["rule"], sorted(d["labels"].items()), d["state"]
+
+    if [ident(d) for d in old] != [ident(d) for d in new]:
+        return True
+    for a, b in zip(old, new):
+        for k in ("active_at", "fired_at"):
+            if (a.get(k) is None) != (b.get(k) is None):
+                return True
+            if a.get(k) is not None and abs(a[k] - b[k]) > ANCHOR_SLACK_S:
+                return True
+    return False
