@@ -7,8 +7,8 @@ replay and tests deterministic.
 
 One owner: `AlertState` is the state type (zero value `unknown`: not evaluated yet; a value
 outside it raises) and `_Instance.enter` its only mutator, with the allowed edges as data
-(`_EDGES`). The state outlives the `Evaluator` that made it in two ways (docs/alerting.md,
-"Alert state across reloads and restarts"): `Evaluator.carry_from` copies it across a reload by
+(`_EDGES`). The state outlives the `Evaluator` that made it in two ways (docs/rules.md,
+"Across reloads and restarts"): `Evaluator.carry_from` copies it across a reload by
 rule name and labels (Prometheus' rules/manager.go + group.go `CopyState`), and
 `export`/`restore` keep `for` timers across a daemon restart (Prometheus' `RestoreForState`),
 bounded by an outage tolerance. Each rule also has a health and a last error (rules/rule.go).
