@@ -1,4 +1,4 @@
-"""The daemon's configuration file (TOML, DESIGN.md): pydantic models and a loader whose every
+"""The daemon's configuration file (TOML, docs/contract.md): pydantic models and a loader whose every
 error names the file, the key and, where the text shows it, the line.
 
     [daemon]

@@ -96,7 +96,7 @@ def exit_code(kind: str, warnings: int) -> int:
 
 
 def report(snap: Snapshot, evaluation: Evaluation, v: dict[str, Any], window_s: float) -> dict[str, Any]:
-    """The `diagnose --json` document (DESIGN.md's contract, extended)."""
+    """The `diagnose --json` document (docs/contract.md, extended)."""
     verdict = evaluation.verdict
     log = v["log"]
     progress = None

@@ -1,6 +1,6 @@
 """The event the daemon emits when an incident fires or resolves: what every alert sink sends.
 
-One shape for all sinks, and the webhook's JSON contract (DESIGN.md): at least job, kind, state,
+One shape for all sinks, and the webhook's JSON contract (docs/contract.md): at least job, kind, state,
 summary and evidence.
 """
 

@@ -49,7 +49,7 @@ from stallwatch import __version__
 
 log = logging.getLogger("stallwatch.metrics")
 
-# The contract's fixed verdict vocabulary (DESIGN.md). `stallwatch_job_verdict` has one series
+# The contract's fixed verdict vocabulary (docs/contract.md). `stallwatch_job_verdict` has one series
 # per kind per job: 1 for the current kind, 0 for every other.
 VERDICT_KINDS: tuple[str, ...] = ("healthy", "slow", "hang", "io_stall", "server_hang",
                                   "server_down", "crash", "gpu_fault", "disk_full", "finished",

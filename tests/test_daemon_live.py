@@ -306,7 +306,7 @@ def test_deadlock_mid_write_killed_quarantined_resumed(h: Harness, tmp_path: Pat
     assert not validate_file(q / "data_5.pt").ok
     assert "data_5.pt" in h.actions("validate")[0]["outcome"]
     assert Path(inc["evidence_bundle"], "verdict.json").exists()
-    # status --json: DESIGN.md's contract
+    # status --json: docs/contract.md
     doc = h.status_json()
     j, = doc["jobs"]
     assert {"name", "verdict", "restarts", "pid", "incidents"} <= set(j)

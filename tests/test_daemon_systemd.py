@@ -1,5 +1,5 @@
 """systemd/stallwatch.service: verified by systemd-analyze where it exists, and read for the
-settings a watchdog needs (and those that would blind it, per FIELD.md)."""
+settings a watchdog needs (and those that would blind it, per docs/field.md)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def test_unit_settings() -> None:
     assert {"CAP_SETUID", "CAP_SETGID"} <= caps
     for forbidden in ("PrivateDevices", "ProtectProc", "ProcSubset", "ProtectKernelLogs",
                       "PrivateTmp", "MemoryDenyWriteExecute"):
-        assert forbidden not in s, f"{forbidden} would blind the watchdog (FIELD.md)"
+        assert forbidden not in s, f"{forbidden} would blind the watchdog (docs/field.md)"
     assert "run --config" in s["ExecStart"][0]
 
 

@@ -67,7 +67,7 @@ def test_file_in_loop_ext4_maps_to_mount_loop_and_backing_file(tmp_path: Path) -
 def test_frozen_fs_with_writer_in_d_probe_returns_within_deadline() -> None:
     deadline_s = 2.0
     with frozen_ext4(64) as (mnt, dev), spawn_in_state("D", where=mnt) as writer:
-        # The writer blocks in mnt_want_write (FIELD.md): state D, wchan percpu_rwsem_wait.
+        # The writer blocks in mnt_want_write (docs/field.md): state D, wchan percpu_rwsem_wait.
         probe = DisksProbe([mnt, mnt / "stuck"], statvfs_deadline_s=deadline_s, dev_shm=None)
         t0 = time.monotonic()
         obs = probe.collect()

@@ -32,7 +32,7 @@ from stallwatch.trace import read_trace
 
 TRACES = Path(__file__).parent / "data" / "traces"
 _PROGRESS = re.compile(r"\| \d+/\d+ \[")
-STALL_BOUND_S = 30.0  # DESIGN.md: a job with a ≤ 1 s cadence is classified within 30 s of its last progress
+STALL_BOUND_S = 30.0  # docs/contract.md: a job with a ≤ 1 s cadence is classified within 30 s of its last progress
 CRASH_BOUND_S = 2.0  # ... and a crash within 2 s of the exit
 STALL_KINDS = {"hang", "io_stall", "server_hang", "server_down"}
 # A stall rule holds for `for = "2s"` once the threshold is passed; `healthy` no longer holds

@@ -52,7 +52,7 @@ STALL_KINDS = {"hang", "io_stall", "server_hang"}
 PID = 4242
 TOTAL = 100_000
 FOR_S = 2.0  # `for` of hang and io_stall in rules/20-stalls.toml (checked below)
-CONTRACT_S = 30.0  # DESIGN.md: a <= 1 s cadence is classified within 30 s of its last progress
+CONTRACT_S = 30.0  # docs/contract.md: a <= 1 s cadence is classified within 30 s of its last progress
 RULES = load()
 # Modest by default (the suite runs on 2 cores); STALLWATCH_PROPERTY_EXAMPLES=2000 for a deep run.
 SETTINGS = settings(max_examples=int(os.environ.get("STALLWATCH_PROPERTY_EXAMPLES", "60")),

@@ -17,7 +17,7 @@
 Guarantees. It never hangs: the only outside programs are py-spy runs, started together, each
 under one shared deadline, SIGKILLed past it and abandoned (reaped by a thread) if even that
 does not end them — py-spy can itself block on a target in `D`. `--nonblocking` because the
-default dump stops every thread with ptrace, and a thread in `D` never stops (FIELD.md). It never
+default dump stops every thread with ptrace, and a thread in `D` never stops (docs/field.md). It never
 raises: every part that fails becomes a line in README.txt. It is bounded: each file is cut at
 `max_file_bytes`, the whole bundle at `max_bundle_bytes`. No shell: argv lists only. The bundle
 directory is 0700 and its files 0600.

@@ -209,7 +209,7 @@ def strongest_evidence(event: AlertEvent, n: int = 3) -> list[EvidenceLine]:
 
 
 def webhook_payload(event: AlertEvent) -> dict[str, Any]:
-    """The generic webhook's JSON (DESIGN.md's contract): the event plus stallwatch_version."""
+    """The generic webhook's JSON (docs/contract.md): the event plus stallwatch_version."""
     doc = event.model_dump(mode="json")
     doc["stallwatch_version"] = __version__
     return doc

@@ -28,7 +28,7 @@ from stallwatch.errors import UsageError
 
 from .redact import register_secret
 
-# The contract's verdict vocabulary (DESIGN.md); mirrors stallwatch.engine.rulefile.KINDS without
+# The contract's verdict vocabulary (docs/contract.md); mirrors stallwatch.engine.rulefile.KINDS without
 # importing the rules engine.
 KINDS = ("healthy", "slow", "hang", "io_stall", "server_hang", "server_down", "crash",
          "gpu_fault", "disk_full", "finished", "unknown")

@@ -1,4 +1,4 @@
-"""The generic webhook: POST one JSON object per event (DESIGN.md's contract).
+"""The generic webhook: POST one JSON object per event (docs/contract.md).
 
 Body: `AlertEvent.model_dump(mode="json")` plus `"stallwatch_version"`. 2xx is success; 408, 425,
 429 (Retry-After honoured) and 5xx are retried by the dispatcher, other 4xx are not. urllib with

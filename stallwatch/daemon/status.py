@@ -1,4 +1,4 @@
-"""`stallwatch status`: what the state database says, as JSON (DESIGN.md's contract) or a table.
+"""`stallwatch status`: what the state database says, as JSON (docs/contract.md) or a table.
 
 Reads only (SQLite opened read-only; WAL lets it read while the daemon writes). Whether a daemon
 is running is asked of the kernel, not of a pid in a file: the daemon holds an flock on

@@ -227,7 +227,7 @@ class DisksProbe:
         except Absent as e:
             errors.append(f"diskstats absent: {e}")
             return {}, ProbeStatus.absent
-        except Denied as e:  # systemd ProtectProc/ProcSubset=pid hides it (FIELD.md)
+        except Denied as e:  # systemd ProtectProc/ProcSubset=pid hides it (docs/field.md)
             errors.append(f"diskstats denied: {e}")
             return {}, ProbeStatus.denied
 

@@ -1,6 +1,6 @@
 """SGLang server probe: health, scheduler round-trip, HTTP liveness and metric counter rates.
 
-Each endpoint says something different (FIELD.md): /health_generate runs a real 1-token
+Each endpoint says something different (docs/sglang.md, docs/field.md): /health_generate runs a real 1-token
 generation and may take up to 20 s; /server_info round-trips to the schedulers, so it hangs when
 they are stuck; /model_info proves only that the HTTP process lives; /metrics gauges keep their
 last values when a scheduler hangs, so progress is judged from counter rates.
