@@ -712,7 +712,10 @@ class JobRunner:
         self._say_log_refused(snap)
         v = features(snap)
         ev = self.evaluator.evaluate(v, snap.t_mono)
-        self.alert_memory.save(self.evaluator, snap.t_mono, snap.t_wall)
+        # The wall time of t_mono itself (snap.t_wall is read after the probes, up to a tick's
+        # collection later): the saved anchors then stay put from tick to tick.
+        mono_wall = snap.t_mono + (self.clock.time() - self.clock.monotonic())
+        self.alert_memory.save(self.evaluator, snap.t_mono, mono_wall)
         self.last_snap, self.last_eval, self.last_vars = snap, ev, v
         self._record(snap, v)
         if snap.processes is not None and snap.processes.processes:
