@@ -46,27 +46,22 @@ from prometheus_client.utils import floatToGoString
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from stallwatch import __version__
+from stallwatch.vocab import INCIDENT_KINDS, JOB_STATES, VERDICT_KINDS
 
 log = logging.getLogger("stallwatch.metrics")
 
-# The contract's fixed verdict vocabulary (docs/contract.md). `stallwatch_job_verdict` has one series
-# per kind per job: 1 for the current kind, 0 for every other.
-VERDICT_KINDS: tuple[str, ...] = ("healthy", "slow", "hang", "io_stall", "server_hang",
-                                  "server_down", "crash", "gpu_fault", "disk_full", "finished",
-                                  "unknown")
-# The kinds an incident can have: counters start at 0 for each of these, so that Prometheus'
-# increase() sees the first incident (a counter born at 1 hides its first increment).
-INCIDENT_KINDS: tuple[str, ...] = tuple(k for k in VERDICT_KINDS
-                                        if k not in ("healthy", "finished", "unknown"))
-# A job's lifecycle state (`stallwatch_job_state{job,state}`): the daemon's job phases, plus
-# gave_up (a phase "stopped" whose restart budget is spent):
+# The vocabulary comes from stallwatch.vocab (docs/contract.md):
+# - VERDICT_KINDS: `stallwatch_job_verdict` has one series per kind per job: 1 for the current
+#   kind, 0 for every other;
+# - INCIDENT_KINDS: counters start at 0 for each, so that Prometheus' increase() sees the first
+#   incident (a counter born at 1 hides its first increment);
+# - JOB_STATES, a job's lifecycle state (`stallwatch_job_state{job,state}`): the daemon's job
+#   phases, plus gave_up (a phase "stopped" whose restart budget is spent):
 #   new         configured, not started yet       starting    supervised, being spawned
 #   running     supervised, its process is alive  attached    started elsewhere, watched only
 #   recovering  kill → wait → validate → backoff → restart in progress
 #   stopped     not running and not restarted (exited, restart = "no", cannot start)
 #   finished    exited with code 0                gave_up     left stopped: the budget is spent
-JOB_STATES: tuple[str, ...] = ("new", "starting", "running", "attached", "recovering", "stopped",
-                               "finished", "gave_up")
 PROBE_STATUSES: tuple[str, ...] = ("ok", "absent", "denied", "error", "timeout", "busy")
 DELIVERY_RESULTS: tuple[str, ...] = ("success", "failure")
 # Tick durations: a healthy tick takes milliseconds; the default tick deadline is 30 s.

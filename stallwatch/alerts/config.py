@@ -25,15 +25,12 @@ from pydantic import (BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, Vali
 
 from stallwatch.engine.duration import parse_duration
 from stallwatch.errors import UsageError
+from stallwatch.vocab import SEVERITIES, SEVERITY_RANK, VERDICT_KINDS
 
 from .redact import register_secret
 
-# The contract's verdict vocabulary (docs/contract.md); mirrors stallwatch.engine.rulefile.KINDS without
-# importing the rules engine.
-KINDS = ("healthy", "slow", "hang", "io_stall", "server_hang", "server_down", "crash",
-         "gpu_fault", "disk_full", "finished", "unknown")
-SEVERITIES = ("info", "warning", "critical")
-SEVERITY_RANK = {s: i for i, s in enumerate(SEVERITIES)}
+# The contract's verdict vocabulary (docs/contract.md), spelled once in stallwatch.vocab.
+KINDS = VERDICT_KINDS
 SINK_TYPES = ("webhook", "slack", "desktop", "command")
 
 Severity = Literal["info", "warning", "critical"]

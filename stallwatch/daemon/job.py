@@ -41,19 +41,16 @@ from stallwatch.engine import Evaluator, RuleSet
 from stallwatch.engine.alerting import AlertState, Evaluation, Verdict
 from stallwatch.features import features
 from stallwatch.history import History, sample, sparkline_text, sparklines
+from stallwatch.vocab import JobPhase, PROBLEM_KINDS, RESTART_KINDS, STALL_KINDS, TERMINAL_PHASES
 
 if TYPE_CHECKING:
     from stallwatch.daemon.core import Daemon
 
 log = logging.getLogger("stallwatch.daemon")
 
-PROBLEM_KINDS = ("hang", "io_stall", "server_hang", "server_down", "crash", "gpu_fault",
-                 "disk_full", "slow")
-RESTART_KINDS = ("crash", "hang", "io_stall")
-STALL_KINDS = ("hang", "io_stall")
 HISTORY_WINDOW_S = 300.0  # what the sparklines show: the last five minutes
 HISTORY_SAVE_S = 5.0  # how often the history is written for `status` (one JSON row)
-TERMINAL = ("finished", "stopped")
+TERMINAL = TERMINAL_PHASES
 PID_FILE_MAX_BYTES = 64  # "12345\n" and then some: a pid file is never more
 
 
@@ -78,7 +75,7 @@ class JobRunner:
         self.evaluator = Evaluator(rules)
         self.alert_memory = AlertMemory(self.name, self.db)  # timers and health, in the db
         self.collector = None
-        self.phase = "new"
+        self.phase = JobPhase.NEW.value
         self.run_row: dict[str, Any] | None = None
         self.popen = None  # our wrapper (setsid) or systemd-run, while it is our child
         self.exit_noted = False
@@ -152,8 +149,14 @@ class JobRunner:
             return None
         return doc
 
+    def _phase_is(self, phase: str) -> None:
+        """The only code that assigns `phase`; a word outside stallwatch.vocab.JobPhase raises.
+        (Which edges are allowed is not a table yet: the phases come back from the state
+        database at start-up, and the edges are spread over job.py, core.py and foreground.py.)"""
+        self.phase = JobPhase(phase).value
+
     def set_phase(self, phase: str, detail: str = "", **extra: Any) -> None:
-        self.phase = phase
+        self._phase_is(phase)
         self.db.update_job(self.name, phase=phase, phase_detail=detail, **extra)
 
     def restarts(self) -> int:
@@ -291,7 +294,7 @@ class JobRunner:
             log.info("job %s: its configuration changed while it was %s: starting afresh",
                      self.name, self.phase)
             self.db.update_job(self.name, phase="new", phase_detail="", restarts=0)
-            self.phase = "new"
+            self._phase_is(JobPhase.NEW)
             self.start_first()
 
     def _forget_processes(self) -> None:
@@ -320,7 +323,7 @@ class JobRunner:
                                restarts=0, recovery_incident=None)
         self.db.update_job(self.name, config_json=self.config_json())
         row = self.db.job(self.name)
-        self.phase = row["phase"]
+        self._phase_is(row["phase"])
         if row["phase"] != "new":  # not afresh: the previous daemon's `for` timers resume
             self.alert_memory.restore(self.evaluator, row["verdict_at"], self.clock.time())
         for inc in self.db.open_incidents(self.name):
@@ -334,7 +337,7 @@ class JobRunner:
             # made (phase starting, no recovery in progress). Going on from the stale row would
             # resume that recovery and kill the freshly restarted run: a double restart.
             before, row = row, self.db.job(self.name)
-            self.phase = row["phase"]
+            self._phase_is(row["phase"])
             done = before["recovery_incident"]
             if done and row["recovery_incident"] is None and row["phase"] == "starting":
                 self.resolve_by_restart(done, int(row["restarts"]))
@@ -490,7 +493,7 @@ class JobRunner:
             if attempt is not None:
                 fields["restarts"] = attempt
             self.db.update_job(self.name, **fields)
-        self.phase = "starting"
+        self._phase_is(JobPhase.STARTING)
         self.popen = sp.popen
         self.run_row = self.db.run(run_id)
         self._forget_processes()
@@ -504,7 +507,7 @@ class JobRunner:
     def start_first(self) -> None:
         if self.dry_run:
             # Only in memory: a later daemon that is not a dry run starts it.
-            self.phase = "stopped"
+            self._phase_is(JobPhase.STOPPED)
             self.db.update_job(self.name, phase_detail="dry run: not started")
             log.info("job %s: dry run: not started", self.name)
             return

@@ -31,14 +31,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stallwatch.daemon.supervise import SpawnError, identity_alive
+from stallwatch.vocab import RECOVERY_EDGES, RECOVERY_FINAL, RECOVERY_FIRST, RecoveryPhase
 
 if TYPE_CHECKING:
     from stallwatch.daemon.job import JobRunner
 
 log = logging.getLogger("stallwatch.daemon")
 
-PHASES = ("evidence", "kill", "wait_gone", "wait_gpu", "validate", "backoff", "restart", "done",
-          "gave_up")
+PHASES = tuple(RecoveryPhase)
 
 
 def run_in_thread(name: str, fn, *args, **kwargs) -> Future:
@@ -70,7 +70,8 @@ class Recovery:
         self.candidates = candidates
         self.failure_wall = failure_wall
         self.evidence = evidence
-        self.phase = "evidence" if evidence is not None else "kill"
+        self.phase = RecoveryPhase.EVIDENCE if evidence is not None else RecoveryPhase.KILL
+        assert self.phase in RECOVERY_FIRST
         self.entered = runner.clock.monotonic()
         self.kill = None
         self.validation: Future | None = None
@@ -86,9 +87,19 @@ class Recovery:
     def dry_run(self) -> bool:
         return self.r.dry_run
 
-    def _enter(self, phase: str, detail: str = "") -> None:
-        self.phase = phase
+    def _move(self, to: str) -> RecoveryPhase:
+        """The only code that changes `phase` after __init__: an edge not in
+        stallwatch.vocab.RECOVERY_EDGES is a bug here, refused before anything is done."""
+        to = RecoveryPhase(to)
+        if to not in RECOVERY_EDGES[self.phase]:
+            raise ValueError(f"job {self.r.name}: recovery from {self.kind}: no edge "
+                             f"{self.phase} -> {to}")
+        self.phase = to
         self.entered = self.r.clock.monotonic()
+        return to
+
+    def _enter(self, phase: str, detail: str = "") -> None:
+        phase = self._move(phase)
         self.r.set_phase("recovering", f"{self.kind}: {phase}" + (f" ({detail})" if detail else ""),
                          recovery_incident=self.incident_id)
         log.info("job %s: recovery from %s: %s%s", self.r.name, self.kind, phase,
@@ -103,7 +114,7 @@ class Recovery:
 
     @property
     def finished(self) -> bool:
-        return self.phase in ("done", "gave_up")
+        return self.phase in RECOVERY_FINAL
 
     # ----------------------------------------------------------------------------------- step
 
@@ -111,7 +122,7 @@ class Recovery:
         """Advance as far as the world allows this tick (several phases when they are instant)."""
         for _ in range(len(PHASES)):
             before = self.phase
-            getattr(self, f"_{self.phase}")(snap)
+            self._steps[self.phase](self, snap)
             if self.phase == before or self.finished:
                 return
 
@@ -303,14 +314,14 @@ class Recovery:
                                       "validated and restarted the job; nothing was done")
             self.r.dry_run_done.add(self.incident_id)  # do not walk the same incident again
             self.r.set_phase("running", "dry run: left as it is", recovery_incident=None)
-            self.phase = "done"
+            self._move(RecoveryPhase.DONE)
             return
         try:
             self.r.restart(self.attempt or 1, self.incident_id)
         except SpawnError as e:
             self._give_up(f"restart failed: {e}")
             return
-        self.phase = "done"
+        self._move(RecoveryPhase.DONE)
         self.r.resolve_by_restart(self.incident_id, self.attempt or 1)
 
     def _give_up(self, why: str, alert: bool = True) -> None:
@@ -321,10 +332,19 @@ class Recovery:
         log.error("job %s: %s", self.r.name, note)
         if alert:
             self.r.emit_alert(self.incident_id, "firing", summary_override=note)
-        self.phase = "gave_up"
+        self._move(RecoveryPhase.GAVE_UP)
 
     def describe(self) -> str:
         return f"{self.kind}: {self.phase}"
+
+    # One step per phase: a table, not a name built from the phase (getattr).
+    _steps: dict[RecoveryPhase, Any] = {
+        RecoveryPhase.EVIDENCE: _evidence, RecoveryPhase.KILL: _kill,
+        RecoveryPhase.WAIT_GONE: _wait_gone, RecoveryPhase.WAIT_GPU: _wait_gpu,
+        RecoveryPhase.VALIDATE: _validate, RecoveryPhase.BACKOFF: _backoff,
+        RecoveryPhase.RESTART: _restart, RecoveryPhase.DONE: _done,
+        RecoveryPhase.GAVE_UP: _gave_up,
+    }
 
 
 def candidates_from(snap: Any, outputs: Path | None) -> list[str]:

@@ -21,6 +21,7 @@ from enum import Enum
 from typing import Any, Mapping
 
 from stallwatch.model import Frozen
+from stallwatch.vocab import SEVERITY_RANK
 
 from .expr import ExprEvalError, Vars, prepare
 from .rulefile import Rule, RuleSet
@@ -35,7 +36,6 @@ RESOLVED_RETENTION_S = 900.0  # Prometheus keeps resolved alerts 15 min so recei
 # A daemon down longer than this restores no `for` timer: what held before such an outage says
 # little about now (Prometheus' --rules.alert.for-outage-tolerance, default 1h, v2.x-3.x).
 FOR_OUTAGE_TOLERANCE_S = 3600.0
-_SEVERITY_RANK = {"info": 0, "warning": 1, "critical": 2}
 
 
 class AlertState(str, Enum):
@@ -447,7 +447,7 @@ def _render_text(rule: Rule, env: Vars, errors: list[EvalError]) -> _Text:
 def _verdict(firing: list[Alert]) -> Verdict:
     if not firing:
         return UNKNOWN
-    best = min(firing, key=lambda a: (-a.priority, -_SEVERITY_RANK[a.severity], a.rule,
+    best = min(firing, key=lambda a: (-a.priority, -SEVERITY_RANK[a.severity], a.rule,
                                       sorted(a.labels.items())))
     return Verdict(kind=best.kind, summary=best.summary, evidence=best.evidence,
                    advice=best.advice, cause=best.cause, rule=best.rule,

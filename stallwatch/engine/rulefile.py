@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+from stallwatch.vocab import SEVERITIES, VERDICT_KINDS
+
 from .duration import parse_duration
 from .expr import Expr, ExprError, compile_expr
 from .template import Template, compile_template
@@ -22,9 +24,7 @@ __all__ = [
     "expand_paths", "load_rules",
 ]
 
-KINDS = ("healthy", "slow", "hang", "io_stall", "server_hang", "server_down", "crash",
-         "gpu_fault", "disk_full", "finished", "unknown")
-SEVERITIES = ("info", "warning", "critical")
+KINDS = VERDICT_KINDS  # the contract's vocabulary, spelled once in stallwatch.vocab
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 _RULE_KEYS = ("name", "kind", "severity", "priority", "condition", "for", "keep_firing_for",
               "summary", "evidence", "advice", "cause", "labels", "warning", "description")
