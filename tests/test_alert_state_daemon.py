@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from stallwatch.daemon.alertmemory import ANCHOR_SLACK_S
-from test_daemon_live import Harness, wait_for
+from test_daemon_live import Harness, h, wait_for  # noqa: F401 - h: the harness fixture, shared
 
 # A saved anchor is rewritten only when it moves by more than ANCHOR_SLACK_S (or the state
 # changes); a timer that started over moves it by seconds.
@@ -39,15 +38,6 @@ BROKEN = ('[[rule]]\nname = "broken"\nkind = "slow"\nseverity = "info"\nwarning 
 def _alerts(h: Harness) -> dict[str, dict[str, Any]]:
     rows = h.q("SELECT value FROM meta WHERE key = 'alerts:extract'")
     return {d["rule"]: d for d in json.loads(rows[0]["value"])} if rows else {}
-
-
-@pytest.fixture
-def h(tmp_path: Path):
-    harness = Harness(tmp_path)
-    try:
-        yield harness
-    finally:
-        harness.cleanup()
 
 
 def _start(h: Harness, rules: str):
