@@ -1,6 +1,6 @@
 """Several tqdm bars in one log, one per data-parallel rank, told apart.
 
-SpecForge's `prepare_hidden_states.py` (HEAD, 2026-08; UPSTREAM.md §2) runs one tqdm bar per DP
+SpecForge's `prepare_hidden_states.py` (HEAD, 2026-08; docs/upstream.md §2) runs one tqdm bar per DP
 rank, all with the description `Generating Hidden States`, `position=dp_rank`, every rank writing
 to the same stderr. A single "done" number read from that log jumps backwards, reaches 100 % with
 the fastest rank, and hides a rank that stopped. Here each bar is followed by its position.

@@ -1,6 +1,6 @@
 """What SGLang itself will do, or did, to a stuck server: variables for the server rules.
 
-Current SGLang does not leave a stuck server standing (UPSTREAM.md §3): the hard watchdog
+Current SGLang does not leave a stuck server standing (docs/upstream.md §3): the hard watchdog
 (`--watchdog-timeout`, default 300 s) runs in every scheduler while a batch is in flight, polls
 every timeout/2, and 5 s after it fires the whole tree is killed — 300-450 s after the last
 forward step (+5 s). Since 2026-03-29 a dead child takes the tree down within ~1-2 s. So a

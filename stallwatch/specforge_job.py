@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A hidden-state extraction shaped like SpecForge's `scripts/prepare_hidden_states.py` (HEAD,
-2026-08; /work/shared/UPSTREAM.md §1-2), written from its behaviour: no upstream code.
+2026-08; docs/upstream.md §1-2), written from its behaviour: no upstream code.
 
 Run it the way upstream is run, under torchrun (env:// rendezvous; `python specforge_job.py`
 alone fails at `init_process_group`, as upstream does):

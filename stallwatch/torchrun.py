@@ -5,7 +5,7 @@ names itself `pt_elastic`; it starts one worker per rank with `RANK`, `LOCAL_RAN
 `WORLD_SIZE`, `GROUP_RANK` and `TORCHELASTIC_RUN_ID` in its environment, each worker in a session
 of its own (torch.distributed.elastic's subprocess handler uses `start_new_session`; seen on torch
 2.13: every worker's sid is its own pid). SpecForge's `prepare_hidden_states.py` is run this way
-(UPSTREAM.md §1): the ranks hold the GPUs and keep gloo sockets to each other, so the launcher
+(docs/upstream.md §1): the ranks hold the GPUs and keep gloo sockets to each other, so the launcher
 and its workers are one job, never "a server and its clients".
 
 The environment is the job's to forge: a rank number read from it is a label for evidence, never

@@ -310,7 +310,7 @@ def test_a_call_stuck_from_an_earlier_tick_is_not_waited_for_again(server: FakeS
 
 
 def test_old_routes_on_0_5_4_fallback_once_and_remembered(server: FakeSGLang) -> None:
-    """SGLang 0.5.0-0.5.5 have only /get_server_info and /get_model_info (UPSTREAM §3): the old
+    """SGLang 0.5.0-0.5.5 have only /get_server_info and /get_model_info (docs/upstream.md §3): the old
     code asked /server_info forever and never saw the schedulers' answer (or their silence)."""
     server.old_routes = True
     probe = ServerProbe(server.url, info_interval_s=0, model_info_interval_s=0, collect_wait_s=5)
@@ -369,7 +369,7 @@ def test_metrics_at_tp4_with_all_schedulers_report_true_counts() -> None:
 
 
 def test_health_checks_moving_realtime_tokens_are_not_progress(server: FakeSGLang) -> None:
-    """realtime_tokens_total counts each health check's 1-token prefill (UPSTREAM §3): on an idle
+    """realtime_tokens_total counts each health check's 1-token prefill (docs/upstream.md §3): on an idle
     server polled by stallwatch it moves, and the old code called that progress."""
     clock = FakeClock()
     probe = ServerProbe(server.url, clock=clock, collect_wait_s=5)

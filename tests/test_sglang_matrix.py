@@ -3,7 +3,7 @@
 Each scenario is a real stand-in server (`--sglang-version current` or `0.5.4`, its stdout and
 stderr in a file that stallwatch finds on its own), the reference client extracting against
 it, and stallwatch's own Collector and built-in rules ticking every half second, in this process.
-The verdicts are what upstream behaviour implies (UPSTREAM.md §3):
+The verdicts are what upstream behaviour implies (docs/upstream.md §3):
 
 | fault | current (2026) | 0.5.4 |
 |---|---|---|

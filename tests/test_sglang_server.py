@@ -96,7 +96,7 @@ def test_generate_batch_text_and_no_aux_field(server):
     outs = server.generate([[1, 2, 3], [4, 5]], max_new_tokens=2, return_hidden_states=True)
     assert [o["meta_info"]["prompt_tokens"] for o in outs] == [3, 2]
     assert [len(o["meta_info"]["hidden_states"]) for o in outs] == [2, 2]
-    # Upstream has no return_aux_hidden_states / aux_hidden_states (UPSTREAM §3): not answered
+    # Upstream has no return_aux_hidden_states / aux_hidden_states (docs/upstream.md §3): not answered
     code, raw = server.request("/generate", "POST", {"text": "hello", "sampling_params": {"max_new_tokens": 1},
                                                      "return_aux_hidden_states": True})
     out = json.loads(raw)

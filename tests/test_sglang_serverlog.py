@@ -1,7 +1,7 @@
 """The SGLang server's own log: parsing real lines, the probe's safety, and what the rules see.
 
 The lines are captures from real SGLang logs (0.5.x, 2026: watchdog kills, subprocess crashes,
-SIGQUIT handling) quoted in public bug reports; UPSTREAM.md §3 has where each comes from.
+SIGQUIT handling) quoted in public bug reports; docs/upstream.md §3 has where each comes from.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""SGLang's process titles in every shape upstream writes them (UPSTREAM.md §3)."""
+"""SGLang's process titles in every shape upstream writes them (docs/upstream.md §3)."""
 
 from __future__ import annotations
 

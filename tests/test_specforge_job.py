@@ -1,5 +1,5 @@
 """The SpecForge-shaped test job itself (tests/jobs/specforge_job.py): run under real torchrun
-with gloo on CPU, its outputs, log lines and resume are upstream's (UPSTREAM.md §2)."""
+with gloo on CPU, its outputs, log lines and resume are upstream's (docs/upstream.md §2)."""
 
 from __future__ import annotations
 

@@ -58,7 +58,7 @@ __all__ = [
 
 DEFAULT_PATTERNS = ("*.pt", "*.ckpt", "*.pth", "*.safetensors", "*.ckpt.gz", "*.pt.gz")
 TORCH_SUFFIXES = (".pt", ".ckpt", ".pth")
-# SpecForge's --compress writes gzip-wrapped torch.save as data_N.ckpt.gz (UPSTREAM.md §2). The
+# SpecForge's --compress writes gzip-wrapped torch.save as data_N.ckpt.gz (docs/upstream.md §2). The
 # whole stream is inflated (gzip's own CRC-32 and length trailer are checked at its end) into an
 # anonymous temporary file outside the outputs, then checked as the torch file it holds.
 GZIP_MAX_BYTES = 4 << 30

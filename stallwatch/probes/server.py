@@ -5,7 +5,7 @@ generation and may take up to 20 s; /server_info round-trips to the schedulers, 
 they are stuck; /model_info proves only that the HTTP process lives; /metrics gauges keep their
 last values when a scheduler hangs, so progress is judged from counter rates.
 
-Versions (UPSTREAM.md §3): /server_info and /model_info exist from SGLang 0.5.6; 0.5.0-0.5.5 have
+Versions (docs/upstream.md §3): /server_info and /model_info exist from SGLang 0.5.6; 0.5.0-0.5.5 have
 only /get_server_info and /get_model_info. A 404 switches to the old name once, remembered per
 probe (per server); on >= 0.5.6 the new name answers first, so the deprecated route (a warning
 in the server's log per call) is never used there.

@@ -1,7 +1,7 @@
 """The server-log probe: follow the SGLang server's own log and keep what says why it dies.
 
 Current SGLang kills its whole tree within seconds of a rank dying, and its hard watchdog kills
-it minutes after a batch stops (UPSTREAM.md §3): by the time stallwatch sees `server_down`, the
+it minutes after a batch stops (docs/upstream.md §3): by the time stallwatch sees `server_down`, the
 per-rank evidence is gone, and only the server's log still says why. The lines are parsed by
 stallwatch.sglang.serverlog; this probe reads the file like the job log (LogFollower: bounded
 reads per tick, rotation and truncation handled) and times each finding with the injected clock.

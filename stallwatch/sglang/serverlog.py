@@ -1,7 +1,7 @@
 """The SGLang server's own log, parsed: the lines that say why a server died or will die.
 
 Pure functions of one line, and a small reducer; the probe (stallwatch.probes.server_log) reads
-the file. The lines, as upstream writes them (sgl-project/sglang; UPSTREAM.md §3):
+the file. The lines, as upstream writes them (sgl-project/sglang; docs/upstream.md §3):
 
 - every line `[YYYY-MM-DD HH:MM:SS DP0 TP2] message`: the bracket holds the rank prefix of the
   process that wrote it (none for the HTTP process or a single scheduler);

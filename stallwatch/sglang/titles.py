@@ -1,6 +1,6 @@
 """SGLang's process titles and command lines, parsed: which process is what, and which rank.
 
-Upstream facts (sgl-project/sglang, read 2026-12; UPSTREAM.md §3):
+Upstream facts (sgl-project/sglang, read 2026-12; docs/upstream.md §3):
 
 - A scheduler calls itself `sglang::scheduler` plus one part per parallel dimension whose size
   is above 1: `_DP{dp}` (when data parallel), `_PP{pp}`, `_ATTN_CP{cp}`, `_MOE_DP{moe_dp}`,

@@ -1,6 +1,6 @@
 """The two SGLang shapes the stand-in server can take, and everything that differs between them.
 
-Each difference is an upstream fact (sgl-project/sglang; UPSTREAM.md §3):
+Each difference is an upstream fact (sgl-project/sglang; docs/upstream.md §3):
 
 | | `current` (0.5.15 line, 2026) | `0.5.4` (2025-11, pinned by SpecForge) |
 |---|---|---|

@@ -1,4 +1,4 @@
-"""SGLang's two watchdogs, as the stand-in server runs them (UPSTREAM.md §3).
+"""SGLang's two watchdogs, as the stand-in server runs them (docs/upstream.md §3).
 
 - `HardWatchdog`, in every scheduler process (both shapes): while a batch runs and the forward
   counter has not moved for `--watchdog-timeout`, checked every timeout/2 — so 1x-1.5x the
