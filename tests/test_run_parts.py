@@ -188,3 +188,32 @@ def test_a_recorded_h200_stop_drawn_from_its_trace() -> None:
     assert gpu[:stop - 1] == BARS[-1] * (stop - 1)  # ...with the GPU busy until then...
     assert set(gpu[stop + 1:]) <= {BARS[0], BARS[1]}  # ...and idle after
     assert mem.index(BARS[0]) > stop + 5  # the memory held on, until the kill freed it
+
+
+def test_desktop_and_slack_render_the_sparklines() -> None:
+    from stallwatch.alerts.config import DesktopConfig
+    from stallwatch.alerts.desktop import render
+    from stallwatch.alerts.slack import slack_message
+    from stallwatch.events import AlertEvent
+
+    text = "progress ██▁▁ 0/s (max 4/s)\nCPU      ▁▁▁▁ 0 cores (max 0 cores)\n(the last 4 s, oldest on the left)"
+    ev = AlertEvent(job="x", kind="hang", state="firing", summary="stuck <here>", sparklines=text)
+    body = render(ev, DesktopConfig(type="desktop"))["body"]
+    assert "progress ██▁▁ 0/s (max 4/s)\nCPU      ▁▁▁▁ 0 cores" in body
+    assert "oldest on the left" not in body  # the rows, not the legend
+    blocks = slack_message(ev)["blocks"]
+    last = next(b["text"]["text"] for b in blocks if "Last minutes" in b.get("text", {}).get("text", ""))
+    assert last == f"*Last minutes*\n```{text}```"
+
+
+def test_the_invokers_environment_passes_but_not_secrets_nor_to_another_user(tmp_path: Path) -> None:
+    from stallwatch.runcmd import with_invoker_env
+
+    text = to_toml(OneLiner(name="a", state_dir=tmp_path, command=["true"],
+                            alerts=[{"type": "slack", "url_env": "MY_HOOK"}]).tables())
+    env = {"PATH": "/bin", "HF_HOME": "/data/hf", "MY_HOOK": "https://hooks/x",
+           "SLACK_WEBHOOK_URL": "https://hooks/y", "NOTIFY_SOCKET": "/run/n"}
+    job = with_invoker_env(parse_config(text), env).job[0]
+    assert job.env == {"PATH": "/bin", "HF_HOME": "/data/hf"}
+    text = to_toml(OneLiner(name="a", state_dir=tmp_path, command=["true"], user="nobody").tables())
+    assert with_invoker_env(parse_config(text), env).job[0].env == {}  # built by the daemon
