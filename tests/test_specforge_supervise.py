@@ -65,8 +65,13 @@ class TreeWatch(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.wait(0.05):
-            agents = [p for p in job_processes(self.marker) if p[2]]
-            self.max_agents = max(self.max_agents, len(agents))
+            procs = job_processes(self.marker)
+            agent_pids = {pid for pid, _, agent in procs if agent}
+            # A child of the agent between its fork and its exec (subprocess's vfork) still shows
+            # the agent's command line: that is the agent starting a rank, not a second tree. A
+            # second tree is a second agent whose parent is not an agent of this job.
+            trees = [pid for pid, ppid, agent in procs if agent and ppid not in agent_pids]
+            self.max_agents = max(self.max_agents, len(trees))
             self.samples += 1
 
 
