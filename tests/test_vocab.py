@@ -46,6 +46,7 @@ def test_every_recovery_phase_has_a_step_and_a_row_of_edges() -> None:
     from stallwatch.daemon.recovery import Recovery
 
     assert set(Recovery._steps) == set(vocab.RecoveryPhase) == set(vocab.RECOVERY_EDGES)
+    assert all(callable(getattr(Recovery, name)) for name in Recovery._steps.values())
     finals = {p for p, to in vocab.RECOVERY_EDGES.items() if not to}
     assert finals == vocab.RECOVERY_FINAL
 

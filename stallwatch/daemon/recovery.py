@@ -122,7 +122,7 @@ class Recovery:
         """Advance as far as the world allows this tick (several phases when they are instant)."""
         for _ in range(len(PHASES)):
             before = self.phase
-            self._steps[self.phase](self, snap)
+            getattr(self, self._steps[self.phase])(snap)
             if self.phase == before or self.finished:
                 return
 
@@ -337,13 +337,14 @@ class Recovery:
     def describe(self) -> str:
         return f"{self.kind}: {self.phase}"
 
-    # One step per phase: a table, not a name built from the phase (getattr).
-    _steps: dict[RecoveryPhase, Any] = {
-        RecoveryPhase.EVIDENCE: _evidence, RecoveryPhase.KILL: _kill,
-        RecoveryPhase.WAIT_GONE: _wait_gone, RecoveryPhase.WAIT_GPU: _wait_gpu,
-        RecoveryPhase.VALIDATE: _validate, RecoveryPhase.BACKOFF: _backoff,
-        RecoveryPhase.RESTART: _restart, RecoveryPhase.DONE: _done,
-        RecoveryPhase.GAVE_UP: _gave_up,
+    # One step per phase, named in a table rather than built from the phase's spelling; looked up
+    # on the instance at each step, so that a step wrapped later (tests' failpoints) is the one run.
+    _steps: dict[RecoveryPhase, str] = {
+        RecoveryPhase.EVIDENCE: "_evidence", RecoveryPhase.KILL: "_kill",
+        RecoveryPhase.WAIT_GONE: "_wait_gone", RecoveryPhase.WAIT_GPU: "_wait_gpu",
+        RecoveryPhase.VALIDATE: "_validate", RecoveryPhase.BACKOFF: "_backoff",
+        RecoveryPhase.RESTART: "_restart", RecoveryPhase.DONE: "_done",
+        RecoveryPhase.GAVE_UP: "_gave_up",
     }
 
 
