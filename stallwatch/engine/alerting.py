@@ -317,13 +317,12 @@ class Evaluator:
         for e in errors:
             first.setdefault(e.rule, e)
         every = first.get("*")  # the variables failed: no rule was evaluated
-        for name in self._health:
+        for name, old in self._health.items():
             e = first.get(name, every)
-            if e is None:
-                self._health[name] = RuleStatus(rule=name, health=RuleHealth.OK)
-            else:
-                self._health[name] = RuleStatus(rule=name, health=RuleHealth.ERR,
-                                                last_error=f"{e.where}: {e.error}")
+            health, last_error = ((RuleHealth.OK, "") if e is None
+                                  else (RuleHealth.ERR, f"{e.where}: {e.error}"))
+            if (old.health, old.last_error) != (health, last_error):  # a new model only then
+                self._health[name] = RuleStatus(rule=name, health=health, last_error=last_error)
 
     # -- one rule
 
