@@ -437,3 +437,46 @@ def test_validation_leaves_no_descriptor_open(tmp_path):
     validate_outputs(out, None, q, use_torch=False)
     assert not files["cut"].exists()
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+@pytest.mark.root
+def test_a_full_quarantine_renames_the_broken_file_aside_in_place(tmp_path):
+    """The quarantine lives in the state directory: when that filesystem is full, the broken
+    file is renamed aside in its own folder (a name no output pattern matches), so the resume
+    rewrites it and no validation takes it for an output; nothing is lost, nothing given up."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (mounts a 64 KiB tmpfs as the quarantine's filesystem)")
+    import subprocess
+    small = tmp_path / "small"
+    small.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
+    try:
+        q = small / "quarantine"
+        q.mkdir()
+        fd = os.open(small / "fill", os.O_WRONLY | os.O_CREAT)  # fill it
+        try:
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        out = tmp_path / "out"
+        files = build_outputs(out, old_mtime=1_000_000.0, new_mtime=2_000_000.0)
+        cut_bytes = files["cut"].read_bytes()
+        rep = validate_outputs(out, 1_500_000.0, q, clock=FakeClock(), use_torch=False)
+        assert rep.safe_to_resume and not rep.errors, rep
+        aside = files["cut"].with_name("data_1.ckpt.stallwatch-broken")
+        assert not files["cut"].exists() and aside.read_bytes() == cut_bytes
+        # The empty file still fits (an inode, no data): it goes to the quarantine as usual.
+        where = {Path(src).name: (Path(dst), why) for src, dst, why in rep.quarantined}
+        assert where["data_1.ckpt"][0] == aside and "renamed aside in place" in where["data_1.ckpt"][1]
+        assert where["data_2.ckpt"][0] == q / "rows_0-2000" / "data_2.ckpt"
+        # a second validation does not take the renamed files for outputs
+        again = validate_outputs(out, None, q, use_torch=False)
+        assert {Path(s).name for s, _, _ in again.quarantined} == {"data_0.ckpt"}  # old_cut
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)

@@ -428,6 +428,13 @@ def _check_gzip(p: Path, crc_max_bytes: int | None, name: str) -> FileCheck:
 # recorded at the walk. The quarantine itself is root's (state_dir/quarantine/<job>, 0700).
 
 
+# Where the quarantine cannot take a file (its filesystem full or read-only), the file is
+# renamed aside in its own folder with this suffix, which no output pattern matches, so
+# neither the resume nor a later validation takes it for an output.
+ASIDE_SUFFIX = ".stallwatch-broken"
+_QUARANTINE_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
 def _unique_names(name: str) -> Iterable[str]:
     yield name
     for n in range(1, 100_000):
@@ -769,11 +776,27 @@ def _check_one(out_fd: int, parts: tuple[str, ...], ident: tuple[int, int], path
                     moved = _move_at(pfd, parts[-1], fd, qpfd, parts[-1])
                 finally:
                     os.close(qpfd)
+                dst = dst.parent / moved
             except OSError as exc:
-                errors.append(f"{path} is broken ({reason}) but could not be quarantined: "
-                              f"{exc.strerror or exc}")
-                return False
-            dst = dst.parent / moved
+                if exc.errno not in _QUARANTINE_FULL:
+                    errors.append(f"{path} is broken ({reason}) but could not be quarantined: "
+                                  f"{exc.strerror or exc}")
+                    return False
+                # The quarantine's filesystem (the state directory's) is full or read-only:
+                # the broken file is renamed aside in its own directory instead, relative to
+                # the same fd (a hard link to a free name, then the old name unlinked: never
+                # replacing a name, never following one). Giving up here would stop a job
+                # over a full /var; leaving the file would make the resume skip it forever.
+                try:
+                    moved = _move_at(pfd, parts[-1], fd, pfd, parts[-1] + ASIDE_SUFFIX)
+                except OSError as exc2:
+                    errors.append(f"{path} is broken ({reason}) but could not be quarantined "
+                                  f"({exc.strerror or exc}) nor renamed aside: "
+                                  f"{exc2.strerror or exc2}")
+                    return False
+                dst = Path(path).parent / moved
+                reason = (f"{reason}; renamed aside in place: the quarantine could not take it "
+                          f"({exc.strerror or exc})")
             quarantined.append(Quarantined(path, str(dst), reason))
             _manifest(q_fd, parts, path, dst, reason, clock, notes)
             return False
