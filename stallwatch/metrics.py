@@ -30,7 +30,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from prometheus_client.utils import floatToGoString
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from stallwatch import __version__
+from stallwatch.selfusage import SelfUsage, read_self_usage
 from stallwatch.vocab import INCIDENT_KINDS, JOB_STATES, VERDICT_KINDS
 
 log = logging.getLogger("stallwatch.metrics")
@@ -407,6 +408,25 @@ def families(jobs: Sequence[JobView], daemon: DaemonView | None) -> list[Metric]
     return out
 
 
+def self_usage_families(u: SelfUsage | None) -> list[Metric]:
+    """The daemon's own footprint (stallwatch/selfusage.py); nothing when it could not be read."""
+    if u is None:
+        return []
+    out: list[Metric] = [
+        CounterMetricFamily("stallwatch_daemon_cpu_seconds",
+                            "CPU time (user + system) the daemon has used, every thread.",
+                            value=u.cpu_s),
+        GaugeMetricFamily("stallwatch_daemon_resident_memory_bytes",
+                          "The daemon's resident set size.", value=float(u.rss_bytes)),
+        GaugeMetricFamily("stallwatch_daemon_threads", "The daemon's threads.",
+                          value=float(u.threads))]
+    if u.open_fds is not None:
+        out.append(GaugeMetricFamily("stallwatch_daemon_open_fds",
+                                     "Descriptors the daemon holds open (kept /proc files included).",
+                                     value=float(u.open_fds)))
+    return out
+
+
 def _daemon_families(d: DaemonView) -> list[Metric]:
     out: list[Metric] = []
     info = GaugeMetricFamily("stallwatch_build_info", "Always 1; the labels say which stallwatch.",
@@ -492,6 +512,9 @@ class _ViewCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         jobs, daemon = self._exporter._views  # one tuple, swapped atomically by update()
         yield from families(jobs, daemon)
+        if daemon is not None and self._exporter.self_usage is not None:
+            # Read at scrape (or textfile write) time, not per tick: nothing to pay when unasked.
+            yield from self_usage_families(self._exporter.self_usage())
         tf = self._exporter._textfile_errors
         if self._exporter.textfile is not None:
             yield CounterMetricFamily("stallwatch_metrics_textfile_write_errors",
@@ -573,8 +596,10 @@ class MetricsExporter:
 
     def __init__(self, listen: str | None = None, textfile: Path | str | None = None, *,
                  allow_remote: bool = False,
-                 textfile_interval_s: float = DEFAULT_TEXTFILE_INTERVAL_S) -> None:
+                 textfile_interval_s: float = DEFAULT_TEXTFILE_INTERVAL_S,
+                 self_usage: Callable[[], SelfUsage | None] | None = read_self_usage) -> None:
         self.listen = listen
+        self.self_usage = self_usage  # the daemon's own footprint, read per scrape
         self.allow_remote = allow_remote
         self._host: str | None = None
         self._port: int | None = None
