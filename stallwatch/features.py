@@ -214,11 +214,19 @@ def _job(snap: Snapshot, procs: list[ProcessObs]) -> dict[str, Any]:
         "stopped": bool(live) and all(p.state in ("T", "t") for p in live),
         "pid": pid,
         "pids": [p.pid for p in procs],
-        "comm": main.comm if main else ((last.comm or "") if last else ("the job" if missing else "")),
+        "comm": main.comm if main else _last_name(exits, missing),
         "cmdline": main.cmdline if main else ((last.cmdline or "") if last else ""),
         "missing": missing,
         "reused": list(po.reused) if po else [],
     }
+
+
+def _last_name(exits: list, missing: list[int]) -> str:
+    """The name the job's process was last known by once it is gone: the latest exit that
+    carries one (a waitpid report of a process no tick saw has none of its own), else "the
+    job", so that a crash never reads "crash:  (pid N)"."""
+    named = [e.comm for e in exits if e.comm]
+    return named[-1] if named else ("the job" if exits or missing else "")
 
 
 def _signame(n: int) -> str:

@@ -270,6 +270,18 @@ def test_note_exit_for_a_process_never_seen(fake):
     assert (ex.pid, ex.start_ticks, ex.role, ex.returncode) == (100, 42, "target", 1)
 
 
+def test_a_job_gone_before_any_tick_keeps_the_name_it_was_known_by(fake):
+    """A supervised job that exits before the first tick (the supervisor's waitpid, or a pinned
+    identity that is gone) still has a name in its exit report: the one the caller knew."""
+    probe = fake_probe(fake, FakeClock(), known_starts={100: 555}, known_names={100: "extract"})
+    (ex,) = probe.collect().exited
+    assert (ex.pid, ex.start_ticks, ex.comm) == (100, 555, "extract")
+    probe = fake_probe(fake, FakeClock(), known_names={100: "extract"})
+    probe.note_exit(100, 42, 1)
+    (ex,) = probe.collect().exited
+    assert (ex.comm, ex.returncode) == ("extract", 1)
+
+
 def test_durations_follow_the_injected_clock(fake):
     clock = FakeClock()
     fake.add(100, state="D", ctx=(5, 1), rchar=10, utime=100, tids=(101,))

@@ -236,6 +236,16 @@ def test_without_a_terminal_plain_lines_and_the_jobs_exit_status(tmp_path: Path)
     assert "stallwatch: pt_writer: finished" in p.stderr
 
 
+def test_a_job_gone_before_the_first_tick_is_named_in_its_crash(tmp_path: Path) -> None:
+    """A job that dies at once is gone before any tick reads its /proc: the crash still names it
+    (the name it was exec'd as), never "crash:  (pid N)"."""
+    p = run_plain(["run", "--state-dir", str(tmp_path / "s"), "--", "sh", "-c", "exit 3"],
+                  tmp_path)
+    assert p.returncode == 3, p.stderr
+    line = next(ln for ln in p.stderr.splitlines() if ": crash (stopped) — " in ln)
+    assert " — sh (pid " in line and line.endswith("died: exit code 3"), line
+
+
 def test_print_config_runs_the_same_with_run_config(tmp_path: Path) -> None:
     """A job that crashes every time, restart on-failure, one restart: the one-liner and its
     printed config both restart it once, give up, and exit with the verdict's code, 2."""

@@ -34,7 +34,7 @@ from stallwatch.config import JobConfig
 from stallwatch.daemon.alertmemory import AlertMemory
 from stallwatch.daemon.recovery import Recovery, candidates_from, run_in_thread
 from stallwatch.daemon.supervise import (SpawnError, find_wrapper, identity_alive,
-                                         identity_exists, proc_state, read_status,
+                                         identity_exists, proc_comm, proc_state, read_status,
                                          resolve_user, spawn, status_authentic, use_systemd_run)
 from stallwatch.daemon.watchwarn import WatchWarnings, job_uid, with_width_evidence
 from stallwatch.engine import Evaluator, RuleSet
@@ -257,11 +257,25 @@ class JobRunner:
         self._ensure_collector()
         target = self._target((pid,))
         self.collector.target = target
-        self.collector.processes = self._processes_probe(target, known_starts={pid: start_ticks})
+        name = self._known_name(pid, start_ticks)
+        self.collector.processes = self._processes_probe(
+            target, known_starts={pid: start_ticks}, known_names={pid: name} if name else None)
         self.exit_noted = False
         self.exit_rc = None
         self.synthetic = None
         self._gone_ticks = 0
+
+    def _known_name(self, pid: int, start_ticks: int) -> str:
+        """What (pid, start_ticks) is called, for when it is gone before the probe's first
+        tick: its comm if it is still there (a zombie too); else, for a job we start, the
+        basename of argv[0] cut to 15 bytes, which is what the kernel names it at exec
+        (TASK_COMM_LEN)."""
+        comm = proc_comm(pid, start_ticks)
+        if comm:
+            return comm
+        if self.cfg.command:
+            return os.path.basename(self.cfg.command[0]).encode()[:15].decode(errors="ignore")
+        return ""
 
     def update(self, cfg: JobConfig, rules: RuleSet, *, rules_changed: bool) -> None:
         """A reload changed this job. What it watches applies now; how it is started applies at

@@ -38,11 +38,11 @@ from pathlib import Path
 from typing import Any
 
 from stallwatch import safefs
-from stallwatch.daemon.wrap import proc_state, start_ticks
+from stallwatch.daemon.wrap import proc_comm, proc_state, start_ticks
 
 __all__ = ["Spawned", "SpawnError", "RunAs", "resolve_user", "job_environment", "spawn",
            "read_status", "identity_alive", "find_wrapper", "use_systemd_run", "wrapper_argv",
-           "systemd_run_argv", "proc_state"]
+           "systemd_run_argv", "proc_state", "proc_comm"]
 
 STATUS_MAX_BYTES = 64 << 10  # a status document is a few hundred bytes
 # What a job inherits from the daemon's environment, and nothing else: the locale, the search

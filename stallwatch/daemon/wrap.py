@@ -62,6 +62,15 @@ def proc_state(pid: int) -> tuple[str, int] | None:
     return st.state, st.start_ticks
 
 
+def proc_comm(pid: int, ticks: int) -> str | None:
+    """The name (comm) of (pid, start_ticks), a zombie's too; None when that process is gone."""
+    try:
+        st = procfs.parse_stat(DEFAULT_ROOTS.read_text(DEFAULT_ROOTS.pid_dir(pid) / "stat"))
+    except (Absent, Denied, ValueError):
+        return None
+    return st.comm if st.start_ticks == ticks else None
+
+
 def start_ticks(pid: int) -> int | None:
     """The process's start time in clock ticks since boot (its identity against pid reuse)."""
     st = proc_state(pid)

@@ -336,6 +336,7 @@ class ProcessesProbe:
         max_threads: int = 512,
         max_fds_scanned: int = 1024,
         known_starts: Mapping[int, int] | None = None,
+        known_names: Mapping[int, str] | None = None,
         self_pid: int | None = None,
         clk_tck: int | None = None,
         syscall_table: Mapping[int, str] | None = None,
@@ -347,7 +348,8 @@ class ProcessesProbe:
         match_uid: int | None = None,
     ) -> None:
         """known_starts pins explicit pids to a start time (a re-attaching daemon knows it), so a
-        reused pid is never adopted. self_pid is excluded from --match, with its ancestors (the
+        reused pid is never adopted; known_names is what the caller last knew them by, reported
+        when one is gone before a tick saw it (else a crash reads "crash:  (pid N)"). self_pid is excluded from --match, with its ancestors (the
         shell that runs us has the pattern in its command line too); it defaults to our own pid
         when reading the real /proc."""
         self.roots, self.clock = roots, clock
@@ -380,8 +382,10 @@ class ProcessesProbe:
         self._job: dict[int, int] = dict(known_starts or {})  # pid -> start of target identities
         self._missing: set[int] = set()
         # Pinned identities start as members, so the first tick reports them exited if gone.
+        self._names = {int(p): n for p, n in (known_names or {}).items() if n}
         self._members: dict[tuple[int, int], _Member] = {
-            (pid, start): _Member(role="target", comm=None) for pid, start in self._job.items()}
+            (pid, start): _Member(role="target", comm=self._names.get(pid))
+            for pid, start in self._job.items()}
         self._tracks: dict[tuple[str, int, int], _Track] = {}
         # What lets a tick read only what can have changed (docs/performance.md, "Reading only
         # what changed"): each thread's last reading, each process's thread list, and each
@@ -420,7 +424,7 @@ class ProcessesProbe:
                 self._exits.append(_Exit(
                     pid=pid, start_ticks=start_ticks, noticed_mono=now, noticed_at=wall,
                     role="target" if pid in self._explicit or pid in self._job else "descendant",
-                    returncode=returncode, source="waitpid",
+                    returncode=returncode, source="waitpid", comm=self._names.get(pid),
                     start_time=self._start_time(start_ticks) if start_ticks is not None else None,
                 ))
 
