@@ -403,3 +403,87 @@ def test_hundred_thousand_files(fast_tmp, make_probe):
     assert probe.collect().file_count == 100_000
     # measured ~1 ms, ~0.3 s, ~10 ms on an idle 2-core machine; bounds leave room for load
     assert tick < 0.5 and full < 5 and incremental < 1, (tick, full, incremental)
+
+
+def _old_tree(out: Path, dirs: int, per_dir: int) -> list[Path]:
+    """`dirs` directories nested a few deep, `per_dir` files each, all mtimes an hour old (past
+    the racy window, so listings are trusted)."""
+    made = []
+    for i in range(dirs):
+        d = out / f"g{i % 4}" / f"rows_{i}" / "shard"
+        for k in range(per_dir):
+            write(d / f"data_{k}.ckpt", 1)
+        made.append(d)
+    old = time.time() - 3600
+    for p in sorted(out.rglob("*"), reverse=True) + [out]:
+        os.utime(p, (old, old), follow_symlinks=False)
+    return made
+
+
+def test_sliced_reconcile_bounds_each_tick_and_finds_a_deep_file(tmp_path, clock, make_probe,
+                                                                   monkeypatch):
+    out = tmp_path / "hs"
+    made = _old_tree(out, dirs=40, per_dir=30)  # 1,200 files, 40 + 4 + 40 + 1 directories
+    slice_n = 50
+    probe = make_probe(out, clock=clock, use_inotify=False, poll_every_s=5.0, full_every=1,
+                       reconcile_slice_entries=slice_n)
+    o = probe.collect()  # the first reconciliation learns the tree whole, at once
+    assert (o.file_count, o.reconciliations) == (1200, 1)
+
+    work: list[int] = [0]  # what the probe looks at: a name listed or a path lstat'ed, one each
+    real_scandir, real_lstat = os.scandir, os.lstat
+
+    def counting_scandir(p):
+        work[0] += len(os.listdir(p))
+        return real_scandir(p)
+
+    def counting_lstat(p, *a, **kw):
+        work[0] += 1
+        return real_lstat(p, *a, **kw)
+
+    monkeypatch.setattr(outputs_mod.os, "scandir", counting_scandir)
+    monkeypatch.setattr(outputs_mod.os, "lstat", counting_lstat)
+    work[0] = 0
+    probe.collect()  # no sweep due: what every tick costs anyway (realpath's lstats of the root)
+    idle = work[0]
+    deep = made[17] / "new.ckpt"
+    write(deep, 9)  # polling, no events: only the sweep can find it
+    clock.advance(5)
+    per_tick: list[int] = []
+    counts: list[int] = []
+    while True:
+        work[0] = 0
+        o = probe.collect()
+        per_tick.append(work[0] - idle)
+        counts.append(o.file_count)
+        if o.reconciliations == 2 or len(per_tick) > 200:
+            break
+        clock.advance(1)
+    # full_every=1: every directory re-listed and every file re-stat'ed, 85 + 1,201 entries
+    full_sweep = 85 + 1201
+    assert o.reconciliations == 2 and o.file_count == 1201 and o.reconcile_changes == 1
+    assert len(per_tick) >= full_sweep // (slice_n + 31)  # spread over ticks, not at once
+    assert len(per_tick) <= full_sweep // slice_n + 2  # and found within the full sweep period
+    # no tick overspends by more than one directory's listing (the debt the next ones repay)...
+    assert max(per_tick) <= slice_n + 31, per_tick
+    # ...and the sweep's average is the slice
+    assert sum(per_tick) / len(per_tick) <= slice_n * 1.05, per_tick
+    # mid-sweep the index neither lost nor invented files: 1,200 until the walk reached the
+    # new file's directory, 1,201 from then on
+    assert set(counts) == {1200, 1201} and counts == sorted(counts), counts
+
+
+def test_lost_events_mid_sweep_reconcile_whole_at_once(tmp_path, clock, make_probe):
+    out = tmp_path / "hs"
+    made = _old_tree(out, dirs=20, per_dir=20)
+    probe = make_probe(out, clock=clock, use_inotify=False, poll_every_s=5.0, full_every=1,
+                       reconcile_slice_entries=30)
+    assert probe.collect().file_count == 400
+    clock.advance(5)
+    o = probe.collect()  # a sliced sweep has started
+    assert o.reconciliations == 1 and probe._sweep is not None
+    write(made[3] / "late.ckpt", 1)
+    probe._pending_lost = True  # what an IN_Q_OVERFLOW (or the pending bound) leaves
+    o = probe.collect()  # the clock did not move: only the loss can have finished a sweep
+    assert (o.reconciliations, o.file_count, o.overflows) == (2, 401, 1)
+    assert probe._sweep is None

@@ -14,6 +14,17 @@ changed files ("hot", a bounded set) are re-stat'ed every tick, and each reconci
 and re-stats a rotating share of the directories, all of them over `full_every` reconciliations,
 which also catches an old file rewritten in place (in slices, so 10^6 files cost no 3 s tick).
 
+The periodic reconciliation is also spread over ticks: a sweep is an iterative walk (a stack of
+directories) resumed on the next tick, and each tick adds `reconcile_slice_entries` of credit
+(a directory looked at, a name listed: one each) that the walk spends. A directory is listed
+whole (never half a listing), so one tick may overspend; the debt is paid by the next ticks, which
+then do no sweeping, so the sweep's cost per tick stays the slice on average, whatever the tree's
+shape. 10^6 files then cost no 354 ms every 30 s but about a slice a tick, and the sweep takes
+longer than the period (about work / slice ticks): a change events did not report is found within
+that full sweep period. The first reconciliation (it learns the history), an inotify overflow and
+a restarted watch run a whole sweep at once: events were lost and the index is wrong now, and
+they are rare.
+
 Not thread-safe, and needs not be: the collector's DeadlineRunner never overlaps two calls, and
 the inotify queue is drained inside collect().
 """
@@ -37,6 +48,7 @@ from stallwatch.model import Frozen
 from stallwatch.probes.inotify import InotifyWatch
 from stallwatch.roots import DEFAULT_ROOTS, Roots
 
+RECONCILE_SLICE_ENTRIES = 400  # ~1.5 ms a tick here (10^6-file bench, docs/performance.md)
 RACY_NS = 2_000_000_000  # FAT has 2 s mtimes; ext4/xfs are finer, NFS depends on the server
 HOT_FRESH_S = 10.0  # a hot file changed this recently is re-stat'ed every tick ...
 HOT_SLOW_EVERY_S = 5.0  # ... an older hot file this often
@@ -128,6 +140,19 @@ class _Dir:
     subdirs: set[str] = field(default_factory=set)
 
 
+@dataclass
+class _Sweep:
+    """A reconciliation under way, resumed tick after tick."""
+    full: bool
+    phase: int | None
+    known: set[str]  # directories indexed when it began: only these can be pruned as unseen
+    stack: list[str] = field(default_factory=lambda: [""])
+    seen: set[str] = field(default_factory=set)
+    changes: int = 0
+    unreadable: int = 0
+    duration_s: float = 0.0
+
+
 def _join(d: str, name: str) -> str:
     return f"{d}/{name}" if d else name
 
@@ -148,6 +173,7 @@ class OutputsProbe:
         pattern: str | None = None, use_inotify: bool = True, *, poll_every_s: float = 5.0,
         full_every: int = 10, recent_n: int = 16, hot_window_s: float = 60.0, max_hot: int = 256,
         roots: Roots = DEFAULT_ROOTS, name: str = "outputs",
+        reconcile_slice_entries: int = RECONCILE_SLICE_ENTRIES,
     ) -> None:
         self.name = name  # DeadlineRunner keys in-flight calls by name: one per job's outputs
         self.root = os.path.abspath(os.fspath(path))
@@ -156,6 +182,10 @@ class OutputsProbe:
         self.reconcile_every_s = reconcile_every_s
         self.poll_every_s = poll_every_s  # the period when no events come (NFS, no inotify)
         self.full_every = max(1, full_every)
+        self.reconcile_slice_entries = max(1, reconcile_slice_entries)
+        self._sweep: _Sweep | None = None
+        self._sweep_started: float | None = None
+        self._credit = 0  # entries the sweep may still spend; negative: a debt from a big directory
         self.pattern = pattern
         self._match = re.compile(fnmatch.translate(pattern)).match if pattern else None
         self.use_inotify = use_inotify
@@ -256,14 +286,16 @@ class OutputsProbe:
 
     # -- reconciliation
 
-    def _walk(self, start: str, now: float, full: bool, seen: set[str], phase: int | None = None) -> int:
-        """Bring the index under `start` in line with the disk; returns the differences found.
-
-        full: re-list and re-stat everything; phase: only the directories in that slice."""
+    def _walk(self, stack: list[str], now: float, full: bool, seen: set[str], phase: int | None = None,
+              sweep: _Sweep | None = None) -> int:
+        """Bring the index under the directories on `stack` in line with the disk; returns the
+        differences found. full: re-list and re-stat everything; phase: only the directories in
+        that slice. With `sweep`: stops when its credit is spent, `stack` left as it is."""
         changes = 0
-        stack = [start]
-        while stack:
+        while stack and (sweep is None or self._credit > 0):
             rel = stack.pop()
+            if sweep is not None:
+                self._credit -= 1
             path = os.path.join(self._base, rel) if rel else self._base
             try:
                 st = os.lstat(path)
@@ -282,13 +314,16 @@ class OutputsProbe:
                 with os.scandir(path) as it:
                     entries = list(it)
             except PermissionError:
-                self._unreadable += 1
+                if sweep is not None:
+                    sweep.unreadable += 1
                 if d is not None:  # keep what we knew; still look below it
                     stack.extend(_join(rel, s) for s in d.subdirs)
                 continue
             except OSError:
                 seen.discard(rel)
                 continue
+            if sweep is not None:
+                self._credit -= len(entries)
             d = self._dir(rel)
             names: set[str] = set()
             subdirs: set[str] = set()
@@ -320,21 +355,38 @@ class OutputsProbe:
             stack.extend(_join(rel, s) for s in subdirs)
         return changes
 
-    def _reconcile(self, now: float, full: bool, phase: int | None = None) -> None:
+    def _reconcile(self, now: float, full: bool, phase: int | None = None, sliced: bool = False) -> None:
+        """Start a sweep (in place of one under way) and run it: whole, or its first slice."""
+        self._sweep = _Sweep(full=full, phase=phase, known=set(self._dirs))
+        self._sweep_started = now
+        self._continue_sweep(now, sliced)
+
+    def _continue_sweep(self, now: float, sliced: bool) -> None:
+        sw = self._sweep
+        assert sw is not None
         t0 = time.perf_counter()  # a cost, not a point on the job's timeline: real time
-        self._unreadable = 0
-        seen: set[str] = set()
-        changes = self._walk("", now, full, seen, phase)
-        for rel in [k for k in self._dirs if k not in seen]:
+        if sliced:
+            self._credit = min(self._credit + self.reconcile_slice_entries, self.reconcile_slice_entries)
+        else:
+            self._credit = 1 << 62  # whole: no limit that a tree can reach
+        sw.changes += self._walk(sw.stack, now, sw.full, sw.seen, sw.phase, sweep=sw)
+        if not sliced:
+            self._credit = 0
+        if sw.stack:
+            sw.duration_s += time.perf_counter() - t0
+            return
+        self._sweep = None
+        for rel in [k for k in sw.known if k not in sw.seen]:
             if rel in self._dirs:
-                changes += self._drop_dir(rel, now)
+                sw.changes += self._drop_dir(rel, now)
         if self._initial:
             self._learn_history(now)
         else:
-            self._reconcile_changes += changes
+            self._reconcile_changes += sw.changes
+        self._unreadable = sw.unreadable
         self._reconciles += 1
         self._last_reconcile = now
-        self._reconcile_dur = time.perf_counter() - t0
+        self._reconcile_dur = sw.duration_s + time.perf_counter() - t0
 
     def _learn_history(self, now: float) -> None:
         self._initial = False
@@ -384,7 +436,7 @@ class OutputsProbe:
                 continue
             if stat.S_ISDIR(st.st_mode):
                 if rel not in self._dirs or self._dirs[rel].mtime_ns == -1:
-                    self._walk(rel, now, True, set())  # a new directory: its files came with it
+                    self._walk([rel], now, True, set())  # a new directory: its files came with it
             elif not self._match or self._match(name):
                 self._put(dirrel, name, st.st_size, st.st_mtime_ns, now)
 
@@ -489,9 +541,15 @@ class OutputsProbe:
         lost_events = self._drain_watch()
         lost, self._pending_lost = self._pending_lost or lost_events, False
         self._overflows += lost
-        due = self._initial or lost or restarted or self._last_reconcile is None or now - self._last_reconcile >= period
-        if due:
-            self._reconcile(now, full=self._initial, phase=self._reconciles % self.full_every)
+        phase = self._reconciles % self.full_every
+        if self._initial or lost or restarted or self._sweep_started is None:
+            # the index is unknown or missed events now: a whole sweep at once (the rest of one
+            # under way is dropped: this one covers it)
+            self._reconcile(now, full=self._initial, phase=phase)
+        elif self._sweep is not None:
+            self._continue_sweep(now, sliced=True)
+        elif now - self._sweep_started >= period:
+            self._reconcile(now, full=False, phase=phase, sliced=True)
         self._apply_events(now)
         self._restat_hot(now)
         return self._obs(now, OutputsStatus.ok, None)
@@ -499,6 +557,7 @@ class OutputsProbe:
     def _gone(self, now: float, status: OutputsStatus, error: str | None) -> OutputsObs:
         self._stop_watch()
         self._pending.clear()
+        self._sweep = None
         if self._count or self._dirs:
             if self._count:
                 self._last_change = now  # every file we knew vanished with the directory
