@@ -33,7 +33,8 @@ if __package__ in (None, ""):
 from bench import detection, gpu_live, gpu_traces, overhead  # noqa: E402
 from bench.common import ROOT, dump, loadavg, machine, rnd  # noqa: E402
 
-SECTIONS = ("overhead", "tick", "growth", "detection", "false_positives", "gpu")
+# "outputs": growth's outputs-count rows alone (both trees), for a change to that probe only
+SECTIONS = ("overhead", "tick", "growth", "outputs", "detection", "false_positives", "gpu")
 MiB = 1 << 20
 
 MODES: dict[str, dict[str, Any]] = {
@@ -403,6 +404,10 @@ def main(argv: list[str] | None = None) -> int:
                 g["tree"] = tickcost("tree", P["tree"], src)
                 g["rules"] = tickcost("rules", P["rules"], src)
                 res["growth"][n] = g
+        if "outputs" in want and "growth" not in want:
+            print("== outputs", flush=True)
+            res["growth"] = {n: {"outputs": tickcost("outputs", P["outputs"], src)}
+                             for n, src in trees(baseline).items()}
         if "detection" in want:
             print("== detection", flush=True)
             d = P["detection"]

@@ -284,8 +284,10 @@ def what_outputs(params: dict[str, Any], work: Path) -> dict[str, Any]:
             made_s = time.monotonic() - t0
             time.sleep(2.2)  # past the racy window: listed directories are trusted from now on
             clock = FakeClock(monotonic=1000.0, wall=time.time())
+            # 10^6 files' first scan takes longer than the default 5 s probe deadline under load:
+            # without a longer one the first tick has no outputs at all
             c = _collector(Target(name="job", pids=(sleeper.pid,), outputs=out), clock=clock,
-                           gpu=False)
+                           gpu=False, deadline_s=120.0)
             t = Ticker(c)
             w0 = time.perf_counter()
             t.tick()
@@ -309,7 +311,7 @@ def what_outputs(params: dict[str, Any], work: Path) -> dict[str, Any]:
                 writes_cpu[0] += time.thread_time() - w
                 clock.advance(1.0)
                 o = t.last[0].outputs
-                if o.reconciliations != prev[0]:
+                if o is not None and o.reconciliations != prev[0]:
                     reconciles.append((o.reconciliations, o.last_reconcile_duration_s or 0.0))
                     prev[0] = o.reconciliations
 

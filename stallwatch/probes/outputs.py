@@ -4,7 +4,8 @@ Listing 10^5 files every tick is too slow, and a listing is the truth only at th
 taken. So: an in-memory index, fed by inotify events drained on each tick (probes/inotify.py)
 and corrected by a periodic reconciliation (a recursive scandir), which alone decides what is true.
 A lost event, an inotify queue overflow, or a network filesystem where inotify sees nothing (other
-hosts' writes) can therefore leave the index wrong for at most one reconcile period.
+hosts' writes) can therefore leave the index wrong for at most one reconcile period and one
+sweep (below); a lost event the kernel reports (IN_Q_OVERFLOW) for not even one tick.
 
 Reconciliation is incremental. A directory whose mtime has not changed since we listed it still
 has the same names, so its cached listing is reused (unless its mtime was within RACY_NS of the
