@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -406,7 +407,7 @@ def _oneliner_toml(command: list[str], *, name, log, outputs, server, progress_r
                    max_restarts, alert, state_dir, rules, interval, startup_grace, dry_run,
                    restart_backoff: float | None = None, pid_file: Path | None = None,
                    match: str | None = None, user: str | None = None,
-                   group: str | None = None) -> str:
+                   group: str | None = None, restart_command: list[str] | None = None) -> str:
     """The one-liner's options as the config file they stand for (stallwatch.oneliner)."""
     from stallwatch.oneliner import OneLiner, alert_table, default_state_dir, job_name, to_toml
 
@@ -417,7 +418,8 @@ def _oneliner_toml(command: list[str], *, name, log, outputs, server, progress_r
     name = name or job_name(command or ([match] if match else ["job"]))
     sd = (state_dir or default_state_dir(name)).absolute()
     ol = OneLiner(name=name, state_dir=sd, command=command or None, pid_file=pid_file,
-                  match=match, cwd=Path.cwd() if command else None,
+                  match=match, restart_command=restart_command,
+                  cwd=Path.cwd() if command or restart_command else None,
                   log=log and log.absolute(), outputs=outputs and outputs.absolute(),
                   server=server, progress_regex=progress_regex, restart=restart,
                   max_restarts=max_restarts, startup_grace_s=startup_grace,
@@ -439,8 +441,13 @@ def watch(
     server: ServerOpt = None, progress_regex: RegexOpt = None, alert: AlertOpt = [],
     state_dir: StateDirOpt = None, rules: RulesOpt = [], interval: IntervalOpt = None,
     print_config: PrintOpt = False,
+    restart_command: Annotated[Optional[str], typer.Option("--restart-command", help="On crash, hang or io_stall: kill the watched job's tree, check --outputs, run this (split like a shell, never run by one) and supervise it from then on.")] = None,
+    max_restarts: Annotated[Optional[int], typer.Option("--max-restarts", help="With --restart-command: then give up (default 3).")] = None,
+    startup_grace: GraceOpt = None,
+    restart_backoff: Annotated[Optional[float], typer.Option("--restart-backoff", help="With --restart-command: seconds before the first restart, doubling after (default 5).")] = None,
 ) -> int:
-    """Watch a job stallwatch did not start: the live view and alerts, never a kill or restart.
+    """Watch a job stallwatch did not start: the live view and alerts; no kill or restart unless
+    --restart-command says how to start it again.
 
     Exits when the job has ended (0 finished, 2 crash); Ctrl-C stops watching, never the job.
     """
@@ -461,14 +468,29 @@ def watch(
     jname = name or (_comm_name(pid) if pid else None)
     sd = (state_dir or default_state_dir(jname or "watch")).absolute()
     pid_file = sd / "watch.pid" if pid is not None else None
+    again = None
+    if restart_command is not None:
+        try:
+            again = shlex.split(restart_command)
+        except ValueError as e:
+            raise UsageError(f"--restart-command: cannot split it: {e}") from None
+        if not again:
+            raise UsageError("--restart-command: the command is missing")
+    elif max_restarts is not None or restart_backoff is not None or startup_grace is not None:
+        raise UsageError("--max-restarts, --restart-backoff and --startup-grace go with "
+                         "--restart-command: without it the watched job is never restarted")
     text = _oneliner_toml([], name=jname, log=log, outputs=outputs, server=server,
-                          progress_regex=progress_regex, restart="no", max_restarts=None,
+                          progress_regex=progress_regex,
+                          restart="on-failure" if again else "no", max_restarts=max_restarts,
                           alert=alert, state_dir=sd, rules=rules, interval=interval,
-                          startup_grace=None, dry_run=False, pid_file=pid_file, match=match)
+                          startup_grace=startup_grace, restart_backoff=restart_backoff,
+                          dry_run=False, pid_file=pid_file, match=match, restart_command=again)
     if print_config:
         sys.stdout.write(text)
         return 0
-    cfg = parse_config(text, "stallwatch watch", base=Path.cwd())
+    from stallwatch.runcmd import with_invoker_env
+
+    cfg = with_invoker_env(parse_config(text, "stallwatch watch", base=Path.cwd()))
     return watch_foreground(cfg, pid)
 
 

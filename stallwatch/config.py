@@ -134,6 +134,9 @@ class JobConfig(_Strict):
     command: tuple[str, ...] | None = None  # supervised: stallwatch starts it
     pid_file: Path | None = None  # attached: a job started elsewhere
     match: str | None = None  # attached: a regex over command lines
+    # An attached job's restart (`stallwatch watch --restart-command`): on a verdict the restart
+    # policy acts on, the watched tree is killed and this runs as the job, supervised from then on.
+    restart_command: tuple[str, ...] | None = None
     cwd: Path | None = None
     env: dict[str, str] = {}  # the job's environment: PATH, the locale, TMPDIR, then these
     # Who the job runs as (a name or a uid; group: a name or a gid, default the user's primary
@@ -198,7 +201,7 @@ class JobConfig(_Strict):
                              "files and systemd units)")
         return v
 
-    @field_validator("command", mode="before")
+    @field_validator("command", "restart_command", mode="before")
     @classmethod
     def _command(cls, v: Any) -> Any:
         if isinstance(v, str):
@@ -252,9 +255,16 @@ class JobConfig(_Strict):
         if len(given) != 1:
             what = ", ".join(given) if given else "none of them"
             raise ValueError(f"give exactly one of command, pid_file or match (got {what})")
-        if self.restart != "no" and self.command is None:
+        if self.restart_command is not None and self.command is not None:
+            raise _Located(("restart_command",), "is for a job attached by pid_file or match; a job "
+                           "with `command` is restarted with its command")
+        if self.restart_command is not None and self.restart == "no":
+            raise _Located(("restart_command",), 'needs restart = "on-failure": the policy that says '
+                           "when to kill and restart")
+        if self.restart != "no" and not self.restartable:
             raise _Located(("restart",), 'restart = "on-failure" needs `command`: a job attached by pid_file '
-                             "or match was started elsewhere, so stallwatch cannot start it again")
+                             "or match was started elsewhere, so stallwatch cannot start it again "
+                             "(unless `restart_command` says how)")
         if self.progress_regex is not None:
             from stallwatch.progress import compile_progress_regex
             try:
@@ -270,6 +280,16 @@ class JobConfig(_Strict):
     @property
     def supervised(self) -> bool:
         return self.command is not None
+
+    @property
+    def restartable(self) -> bool:
+        """stallwatch can start it again: its own command, or an attached job's restart_command."""
+        return self.command is not None or self.restart_command is not None
+
+    def as_restarted(self) -> "JobConfig":
+        """An attached job once its restart_command has run: a supervised job of that command."""
+        return self.model_copy(update={"command": self.restart_command, "pid_file": None,
+                                       "match": None, "restart_command": None})
 
     def quarantine_dir(self, state_dir: Path) -> Path | None:
         if self.quarantine is not None:

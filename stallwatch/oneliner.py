@@ -91,6 +91,7 @@ class OneLiner:
     command: list[str] | None = None
     pid_file: Path | None = None
     match: str | None = None
+    restart_command: list[str] | None = None  # watch: how to start the job again
     cwd: Path | None = None
     log: Path | None = None
     outputs: Path | None = None
@@ -115,12 +116,12 @@ class OneLiner:
         if self.dry_run:
             daemon["dry_run"] = True
         job: dict[str, Any] = {"name": self.name}
-        for k in ("command", "pid_file", "match", "cwd", "log", "outputs", "server",
-                  "progress_regex", "user", "group"):
+        for k in ("command", "pid_file", "match", "restart_command", "cwd", "log", "outputs",
+                  "server", "progress_regex", "user", "group"):
             v = getattr(self, k)
             if v is not None:
-                job[k] = [str(a) for a in v] if k == "command" else str(v)
-        if self.command is not None:
+                job[k] = [str(a) for a in v] if k.endswith("command") else str(v)
+        if self.command is not None or self.restart_command is not None:
             job["restart"] = self.restart
         if self.max_restarts is not None:
             job["max_restarts"] = self.max_restarts

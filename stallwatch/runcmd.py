@@ -100,7 +100,7 @@ def with_invoker_env(cfg: Config, environ: dict[str, str] | None = None) -> Conf
     secrets = {getattr(a, "url_env", None) for a in cfg.alerts} - {None}
     for k in (*_NEVER_PASSED, *secrets):
         env.pop(k, None)
-    jobs = tuple(j if (not j.supervised or j.user is not None)
+    jobs = tuple(j if (not j.restartable or j.user is not None)
                  else j.model_copy(update={"env": {**env, **dict(j.env)}}) for j in cfg.job)
     return cfg.model_copy(update={"job": jobs})
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shlex
 import pty
 import select
 import signal
@@ -20,6 +21,7 @@ import sys
 import termios
 import threading
 import time
+import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,7 +30,7 @@ import pytest
 
 from stallwatch.history import from_docs, sparkline_text, sparklines
 from test_alerts_http import SLACK_PATH, receiver_factory  # noqa: F401 - a fixture
-from test_daemon_live import fast_rules
+from test_daemon_live import fast_rules, scan_writers
 
 ROOT = Path(__file__).resolve().parents[1]
 WRITER = ROOT / "tests" / "jobs" / "pt_writer.py"
@@ -362,6 +364,107 @@ def test_watch_a_job_started_elsewhere(tmp_path: Path) -> None:
         job.kill()
         job.wait()
         if w is not None and w.poll() is None:
+            w.kill()
+
+
+class WriterCount:
+    """The most pt_writer processes (not zombies) alive at once, sampled from /proc until
+    stopped: two at a time would be two writers on the same outputs."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker, self.most, self.seen = marker, 0, set()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            alive = scan_writers(self.marker)
+            self.seen.update(p for p, _ in alive)
+            self.most = max(self.most, len(alive))
+
+    def stop(self) -> "WriterCount":
+        self._stop.set()
+        self._t.join(10)
+        return self
+
+
+def test_watch_restart_command_kills_the_watched_tree_and_supervises_the_restart(
+        tmp_path: Path, rules: Path) -> None:
+    """`watch --pid P --restart-command CMD`: a job started by someone else (here, this test)
+    deadlocks mid-file; stallwatch calls it a hang, kills that process (by pid and start time:
+    it is in no process group stallwatch made), moves the half-written file aside, runs CMD
+    (the same job, which resumes) and supervises it to the end: exit 0, every file whole, never
+    two writers at once."""
+    out, state, log = tmp_path / "out", tmp_path / "state", tmp_path / "job.log"
+    argv = writer(out, "--deadlock-at", "6", "--once", str(tmp_path / "fired"), count=14,
+                  interval=0.1)
+    count = WriterCount(str(out))
+    with open(log, "wb") as f:
+        job = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=f)
+    try:
+        p = subprocess.run(
+            [*STALLWATCH, "watch", "--pid", str(job.pid), "--state-dir", str(state), "--rules",
+             str(rules), "--log", str(log), "--outputs", str(out), "--interval", "0.25",
+             "--restart-command", shlex.join(argv), "--restart-backoff", "0.5",
+             "--startup-grace", "3"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        watched_rc = job.wait(10)
+    finally:
+        count.stop()
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "stallwatch: pt_writer: hang" in p.stderr, p.stderr[-3000:]
+    assert watched_rc == -signal.SIGTERM  # the deadlocked job took the SIGTERM: killed
+    assert count.most == 1 and len(count.seen) == 2, (count.most, count.seen)
+    (phase, restarts, mode), = db_rows(state, "select phase, restarts, mode from jobs")
+    assert (phase, restarts, mode) == ("finished", 1, "command")
+    assert [k for (k,) in db_rows(state, "select kind from incidents")] == ["hang"]
+    acts = db_rows(state, "select what, outcome from actions order by id")
+    kills = [o for w, o in acts if w == "kill"]
+    assert len(kills) == 1 and kills[0].startswith("done") and f"{job.pid}" in kills[0], acts
+    assert [w for w, _ in acts if w in ("kill", "validate", "restart")] == [
+        "kill", "validate", "restart"], acts
+    quarantined = list((state / "quarantine").rglob("data_6.pt*"))
+    assert len(quarantined) == 1, acts  # the file the deadlock left half-written
+    assert sorted(f.name for f in out.iterdir()) == sorted(f"data_{i}.pt" for i in range(14))
+    for f in out.iterdir():
+        with zipfile.ZipFile(f) as z:
+            assert z.testzip() is None
+
+
+def test_watch_without_restart_command_never_kills_a_hung_job(tmp_path: Path,
+                                                              rules: Path) -> None:
+    """The same hang watched without --restart-command: the verdict and the incident, and the
+    job is left as it is (no kill, no restart)."""
+    log = tmp_path / "job.log"
+    with open(log, "wb") as f:
+        job = subprocess.Popen(writer(tmp_path / "out", "--deadlock-at", "3", count=14,
+                                      interval=0.1),
+                               stdin=subprocess.DEVNULL, stdout=f, stderr=f)
+    state = tmp_path / "state"
+    w = subprocess.Popen([*STALLWATCH, "watch", "--pid", str(job.pid), "--state-dir", str(state),
+                          "--rules", str(rules), "--log", str(log), "--interval", "0.25"],
+                         cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        for line in w.stderr:
+            seen.append(line)
+            if line.startswith("stallwatch: pt_writer: hang"):
+                break
+        assert seen and seen[-1].startswith("stallwatch: pt_writer: hang"), "".join(seen)
+        w.send_signal(signal.SIGINT)
+        assert w.wait(30) == 2  # the verdict's code: a problem
+        assert job.poll() is None  # the job is where it was: never killed
+        acts = [a for (a,) in db_rows(state, "select what from actions")]
+        assert "detect" in acts and not {"kill", "restart"} & set(acts), acts
+    finally:
+        job.kill()
+        job.wait()
+        if w.poll() is None:
             w.kill()
 
 

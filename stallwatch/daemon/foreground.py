@@ -192,6 +192,8 @@ class ForegroundDaemon(Daemon):
         verdict says how (finished, crash), or has been gone for `_GONE_S`."""
         codes = []
         for r in self.jobs.values():
+            if r.recovery is not None:  # --restart-command: killing it, or about to restart it
+                return None
             j = (r.last_vars or {}).get("job") or {}
             kind = r.verdict.kind if r.verdict is not None else "unknown"
             if not (j.get("seen") and not j.get("alive")):

@@ -356,10 +356,11 @@ class JobRunner:
             if done and row["recovery_incident"] is None and row["phase"] == "starting":
                 self.resolve_by_restart(done, int(row["restarts"]))
             self._start_supervised(row)
-        elif self.cfg.pid_file is not None:
-            self.set_phase("attached", "attached by pid_file: never restarted by stallwatch")
         else:
-            self.set_phase("attached", "attached by match: never restarted by stallwatch")
+            how = "pid_file" if self.cfg.pid_file is not None else "match"
+            self.set_phase("attached", f"attached by {how}: " + (
+                "killed and restarted with restart_command on " + ", ".join(sorted(RESTART_KINDS))
+                if self.cfg.restart_command else "never restarted by stallwatch"))
 
     def _adopt_orphan(self) -> None:
         """No run on record (a fresh or reset state database), yet the wrappers' status files
@@ -532,6 +533,14 @@ class JobRunner:
             self.set_phase("stopped", f"cannot start: {e}")
 
     def restart(self, attempt: int, incident_id: int) -> None:
+        if not self.cfg.supervised and self.cfg.restart_command:
+            # The watched tree is gone (the recovery killed it and waited): from here on the job
+            # is the restart command's process, supervised like a `command` job; the pid_file or
+            # match no longer names it, so only the new tree is watched, never two.
+            log.info("job %s: the watched job is replaced by its restart_command: %s", self.name,
+                     " ".join(self.cfg.restart_command))
+            self.cfg = self.cfg.as_restarted()
+            self.db.update_job(self.name, mode=self.mode)
         self._spawn("restart", attempt, incident_id)
 
     def _adopt_status(self, doc: dict[str, Any]) -> None:
@@ -896,7 +905,7 @@ class JobRunner:
     def _budget_note(self, kind: str) -> str:
         """Said in the incident's first alert when this failure will not be restarted: the
         dispatcher sends one firing alert per incident, so the news must be in that one."""
-        if not (self.cfg.supervised and self.cfg.restart == "on-failure" and kind in RESTART_KINDS):
+        if not (self.cfg.restartable and self.cfg.restart == "on-failure" and kind in RESTART_KINDS):
             return ""
         done = self.restart_streak()
         if done >= self.cfg.max_restarts:
@@ -936,10 +945,11 @@ class JobRunner:
 
     def _act(self, snap: Any, v: dict[str, Any], verdict: Verdict) -> None:
         kind = verdict.kind
-        if (self.recovery is not None or not self.cfg.supervised or kind not in RESTART_KINDS
+        if (self.recovery is not None or not self.cfg.restartable or kind not in RESTART_KINDS
                 or kind not in self.incidents):
             return
-        if self.phase != "running" and not (self.phase == "starting" and self.synthetic):
+        running = self.phase == "running" or (self.phase == "attached" and self.cfg.restart_command)
+        if not running and not (self.phase == "starting" and self.synthetic):
             return
         if self.cfg.restart != "on-failure":
             return
