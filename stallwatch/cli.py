@@ -446,8 +446,7 @@ def watch(
     startup_grace: GraceOpt = None,
     restart_backoff: Annotated[Optional[float], typer.Option("--restart-backoff", help="With --restart-command: seconds before the first restart, doubling after (default 5).")] = None,
 ) -> int:
-    """Watch a job stallwatch did not start: the live view and alerts; no kill or restart unless
-    --restart-command says how to start it again.
+    """Watch a job stallwatch did not start: the live view and alerts; kills only with --restart-command.
 
     Exits when the job has ended (0 finished, 2 crash); Ctrl-C stops watching, never the job.
     """

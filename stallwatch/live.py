@@ -191,7 +191,7 @@ def job_view(runner: Any, pace: Pace | None = None, now: float | None = None) ->
         "pid": (runner.run_row or {}).get("pid") or (v.get("job") or {}).get("pid"),
         "run": (runner.run_row or {}).get("seq"),
         "supervised": runner.cfg.supervised,
-        "restarts": int(row.get("restarts") or 0) if runner.cfg.supervised else None,
+        "restarts": int(row.get("restarts") or 0) if runner.cfg.restartable else None,
         "max_restarts": runner.cfg.max_restarts if runner.cfg.restart == "on-failure" else None,
         "progress": _progress(lg),
         "ranks": _rank_bars(runner.name, lg, pace, time.monotonic() if now is None else now),
