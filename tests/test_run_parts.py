@@ -160,7 +160,8 @@ def test_rank_bars_get_a_rate_and_eta_from_what_the_view_saw() -> None:
                              actions=lambda i: [])
         return SimpleNamespace(name="x", db=db, phase="running", verdict=None, run_row=None,
                                last_vars={"log": lg}, history=SimpleNamespace(samples=[]),
-                               cfg=SimpleNamespace(supervised=True, restart="no", max_restarts=3))
+                               cfg=SimpleNamespace(supervised=True, restartable=True, restart="no",
+                                                  max_restarts=3))
 
     assert [r["rate_per_s"] for r in job_view(runner(10, 10), pace, now=100.0)["ranks"]] == \
         [None, None]  # one sighting: no rate yet
