@@ -95,7 +95,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
 MpiDefault=none
-KillWait=5
+KillWait=30
 GresTypes=gpu
 NodeName={self.host} NodeAddr=127.0.0.1 CPUs=2 Gres=gpu:8 State=UNKNOWN
 PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
