@@ -435,6 +435,66 @@ def test_watch_restart_command_kills_the_watched_tree_and_supervises_the_restart
             assert z.testzip() is None
 
 
+def test_a_restarted_daemon_keeps_supervising_what_restart_command_started(
+        tmp_path: Path, rules: Path) -> None:
+    """The config a watch stands for (pid_file + restart_command), run as a daemon that is
+    SIGKILLed once it has replaced the hung job: the next daemon re-attaches to the restarted
+    process (not to the old pid_file, not a second copy) and sees it to the end."""
+    out, state, log = tmp_path / "out", tmp_path / "state", tmp_path / "job.log"
+    argv = writer(out, "--deadlock-at", "3", "--once", str(tmp_path / "fired"), count=40,
+                  interval=0.25)
+    count = WriterCount(str(out))
+    with open(log, "wb") as f:
+        job = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=f)
+    pid_file = tmp_path / "job.pid"
+    pid_file.write_text(f"{job.pid}\n")
+    cfg = tmp_path / "w.toml"
+    cfg.write_text(f"""[daemon]
+state_dir = {json.dumps(str(state))}
+exit_with_jobs = true
+interval_s = 0.25
+
+[[job]]
+name = "w"
+pid_file = {json.dumps(str(pid_file))}
+restart_command = {json.dumps(argv)}
+cwd = {json.dumps(str(tmp_path))}
+restart = "on-failure"
+restart_backoff_s = 0.5
+startup_grace_s = 3
+log = {json.dumps(str(log))}
+outputs = {json.dumps(str(out))}
+rules = [{json.dumps(str(rules))}]
+""")
+    first = subprocess.Popen([*STALLWATCH, "run", "--config", str(cfg)], cwd=tmp_path,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (state / "stallwatch.db").exists() or not db_rows(
+                state, "select pid from jobs where phase = 'running' and mode = 'command'"):
+            assert time.monotonic() < deadline and first.poll() is None, "no restart within 60 s"
+            time.sleep(0.1)
+        first.kill()
+        first.wait(10)
+        assert job.wait(10) == -signal.SIGTERM
+        (new_pid,), = db_rows(state, "select pid from jobs")
+        assert [p for p, _ in scan_writers(str(out))] == [new_pid]
+        p = subprocess.run([*STALLWATCH, "run", "--config", str(cfg)], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=90, stdin=subprocess.DEVNULL)
+    finally:
+        count.stop()
+        for proc in (first, job):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"re-attached to pid {new_pid}" in p.stderr, p.stderr[-3000:]
+    assert db_rows(state, "select phase, restarts from jobs") == [("finished", 1)]
+    assert count.most == 1 and len(count.seen) == 2, (count.most, count.seen)
+    assert sorted(f.name for f in out.iterdir()) == sorted(f"data_{i}.pt" for i in range(40))
+
+
 def test_watch_without_restart_command_never_kills_a_hung_job(tmp_path: Path,
                                                               rules: Path) -> None:
     """The same hang watched without --restart-command: the verdict and the incident, and the

@@ -280,6 +280,8 @@ class JobRunner:
     def update(self, cfg: JobConfig, rules: RuleSet, *, rules_changed: bool) -> None:
         """A reload changed this job. What it watches applies now; how it is started applies at
         the next (re)start: a running job is never restarted because its config changed."""
+        if self.cfg.supervised and not cfg.supervised and cfg.restart_command:
+            cfg = cfg.as_restarted()  # already replaced by its restart_command: it stays ours
         watched = ("log", "progress_regex", "outputs", "server", "match", "pid_file")
         refresh = any(getattr(cfg, k) != getattr(self.cfg, k) for k in watched)
         old_json = self.config_json()
@@ -330,6 +332,12 @@ class JobRunner:
     def start(self) -> None:
         """Take over the job: from the state database, re-attach, resume a recovery, or start."""
         row = self.db.ensure_job(self.name, self.mode, self.config_json())
+        if (row["mode"] == "command" and self.cfg.restart_command and not self.cfg.supervised
+                and row["phase"] not in TERMINAL):
+            # A previous daemon replaced the watched job by its restart_command, and that run is
+            # not over: the job is that process, supervised (re-attached below, never started
+            # again beside itself, never left to the old pid_file or match).
+            self.cfg = self.cfg.as_restarted()
         if row["mode"] != self.mode or self._afresh(row["phase"], row["config_json"]):
             log.info("job %s: its configuration changed since it was %s: starting afresh",
                      self.name, row["phase"])
@@ -540,7 +548,7 @@ class JobRunner:
             log.info("job %s: the watched job is replaced by its restart_command: %s", self.name,
                      " ".join(self.cfg.restart_command))
             self.cfg = self.cfg.as_restarted()
-            self.db.update_job(self.name, mode=self.mode)
+            self.db.update_job(self.name, mode=self.mode, config_json=self.config_json())
         self._spawn("restart", attempt, incident_id)
 
     def _adopt_status(self, doc: dict[str, Any]) -> None:
