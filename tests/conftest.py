@@ -16,3 +16,21 @@ settings.register_profile("stallwatch-ci", derandomize=True)
 settings.register_profile("stallwatch-random", derandomize=False)
 settings.load_profile("stallwatch-random" if os.environ.get("STALLWATCH_FUZZ_RANDOM") == "1"
                       else "stallwatch-ci")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _reap_what_the_test_started(request):
+    """After a test that has a tmp_path, SIGCONT + SIGKILL to every process whose command line
+    names it. A supervised job runs in a session of its own and outlives a stallwatch that was
+    SIGKILLed (by design: a daemon's death never kills the job), so a test that fails or times
+    out mid-run would otherwise leave its deadlocked or spinning job behind for the rest of the
+    suite (seen: pt_writer and torchrun trees from failed pty tests, alive for hours)."""
+    yield
+    if "tmp_path" not in request.fixturenames:
+        return
+    from fleetkit import kill_naming
+
+    kill_naming(str(request.getfixturevalue("tmp_path")) + os.sep)
