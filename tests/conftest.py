@@ -28,9 +28,11 @@ def _reap_what_the_test_started(request):
     SIGKILLed (by design: a daemon's death never kills the job), so a test that fails or times
     out mid-run would otherwise leave its deadlocked or spinning job behind for the rest of the
     suite (seen: pt_writer and torchrun trees from failed pty tests, alive for hours)."""
-    yield
     if "tmp_path" not in request.fixturenames:
+        yield
         return
+    marker = str(request.getfixturevalue("tmp_path")) + os.sep  # torn down before our teardown
+    yield
     from fleetkit import kill_naming
 
-    kill_naming(str(request.getfixturevalue("tmp_path")) + os.sep)
+    kill_naming(marker)
