@@ -256,7 +256,11 @@ def test_match_adopts_only_processes_of_the_jobs_user() -> None:
     marker = f"sec-bounds-decoy-{os.getpid()}"
     decoy = subprocess.Popen(["bash", "-c", f"exec -a {marker} sleep 300"])
     try:
-        _wait(lambda: marker.encode() in open(f"/proc/{decoy.pid}/cmdline", "rb").read(),
+        # bash's own command line names the marker too: wait for the exec to be over (comm is
+        # the new program's), since a process in the middle of execve can show an empty
+        # command line, which no pattern matches (a daemon's next tick would adopt it)
+        _wait(lambda: open(f"/proc/{decoy.pid}/comm").read().strip() == "sleep"
+              and marker.encode() in open(f"/proc/{decoy.pid}/cmdline", "rb").read(),
               what="the exec")
         other_uid = os.getuid() + 1 if os.getuid() != 65534 else 0
         mine = ProcessesProbe(_Pids(match=marker), match_uid=os.getuid()).collect()

@@ -6,6 +6,7 @@ wait is on an HTTP answer, a process state or a log line, with a deadline.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -268,7 +269,13 @@ def test_hang_fault_and_sigusr1_toggle(tmp_path):
 def test_exit_fault_takes_the_whole_server_down(tmp_path):
     log = tmp_path / "server.log"
     with launch_server([*TINY, "--fault", "exit", "--fault-after-requests", "1"], log=str(log)) as s:
-        s.generate([1, 2, 3])
+        try:
+            s.generate([1, 2, 3])
+        except (http.client.RemoteDisconnected, ConnectionError):
+            # The fault fires once this request has finished in the scheduler; the tree can be
+            # killed before the front has written its answer (upstream too): on a loaded
+            # machine the client then sees the connection close.
+            pass
         s.proc.wait(timeout=15)
         assert s.proc.returncode == -signal.SIGKILL  # SGLang's kill_process_tree kills itself too
         assert log_has(s, "SIGQUIT received. signum=3, frame=")
