@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -462,19 +461,14 @@ def watch(
             re.compile(match)
         except re.error as e:
             raise UsageError(f"--match: not a valid regex: {e}") from e
-    from stallwatch.oneliner import default_state_dir
+    from stallwatch.oneliner import default_state_dir, split_command
 
     jname = name or (_comm_name(pid) if pid else None)
     sd = (state_dir or default_state_dir(jname or "watch")).absolute()
     pid_file = sd / "watch.pid" if pid is not None else None
     again = None
     if restart_command is not None:
-        try:
-            again = shlex.split(restart_command)
-        except ValueError as e:
-            raise UsageError(f"--restart-command: cannot split it: {e}") from None
-        if not again:
-            raise UsageError("--restart-command: the command is missing")
+        again = split_command("--restart-command", restart_command)
     elif max_restarts is not None or restart_backoff is not None or startup_grace is not None:
         raise UsageError("--max-restarts, --restart-backoff and --startup-grace go with "
                          "--restart-command: without it the watched job is never restarted")

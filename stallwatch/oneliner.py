@@ -58,6 +58,17 @@ def default_state_dir(name: str, environ: dict[str, str] | None = None) -> Path:
     return Path(base) / "stallwatch" / "run" / name
 
 
+def split_command(option: str, text: str) -> list[str]:
+    """A command given as one option value, split as a shell would (never run by one)."""
+    try:
+        argv = shlex.split(text)
+    except ValueError as e:
+        raise UsageError(f"{option}: cannot split it: {e}") from None
+    if not argv:
+        raise UsageError(f"{option}: the command is missing")
+    return argv
+
+
 def alert_table(spec: str) -> dict[str, Any]:
     """`--alert` values: slack[=URL], webhook=URL, desktop[=USER], command=ARGV (split like a
     shell, never run by one). Without a URL, slack reads $SLACK_WEBHOOK_URL."""
@@ -72,13 +83,7 @@ def alert_table(spec: str) -> dict[str, Any]:
     if kind == "desktop":
         return {"type": "desktop", "user": target} if target else {"type": "desktop"}
     if kind == "command":
-        try:
-            argv = shlex.split(target)
-        except ValueError as e:
-            raise UsageError(f"--alert command=...: cannot split it: {e}") from None
-        if not argv:
-            raise UsageError("--alert command=ARGV: the command is missing")
-        return {"type": "command", "argv": argv}
+        return {"type": "command", "argv": split_command("--alert command=ARGV", target)}
     raise UsageError(f"--alert {spec}: expected slack[=URL], webhook=URL, desktop[=USER] or "
                      "command=ARGV")
 

@@ -218,3 +218,18 @@ def test_the_invokers_environment_passes_but_not_secrets_nor_to_another_user(tmp
     assert job.env == {"PATH": "/bin", "HF_HOME": "/data/hf"}
     text = to_toml(OneLiner(name="a", state_dir=tmp_path, command=["true"], user="nobody").tables())
     assert with_invoker_env(parse_config(text), env).job[0].env == {}  # built by the daemon
+
+
+def test_a_command_option_is_split_as_a_shell_would_and_refused_when_empty_or_unbalanced() -> None:
+    from stallwatch.errors import UsageError
+    from stallwatch.oneliner import alert_table, split_command
+
+    assert split_command("--restart-command", "python x.py --out '/data/a b'") == [
+        "python", "x.py", "--out", "/data/a b"]
+    for text, why in (("", "the command is missing"), ('a "b', "cannot split it")):
+        with pytest.raises(UsageError, match=why):
+            split_command("--restart-command", text)
+    assert alert_table("command=notify-send 'a b'") == {"type": "command",
+                                                        "argv": ["notify-send", "a b"]}
+    with pytest.raises(UsageError, match="--alert command=ARGV: the command is missing"):
+        alert_table("command=")
