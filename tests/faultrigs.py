@@ -168,6 +168,35 @@ def job_argv(out: Path, log: Path, *extra: str, n: int = N_SAMPLES,
 
 
 @contextmanager
+def small_tmpfs(where: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` mounted at `where` (made here), lazily unmounted after. The test is
+    skipped, with the reason, where it cannot be mounted (not root, no mount(8))."""
+    import pytest
+
+    where.mkdir(exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def fill_up(path: Path) -> None:
+    """Write zeros to a new file `path` until its filesystem is full (ENOSPC)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC)
+    try:
+        while os.write(fd, b"\0" * 65536):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextmanager
 def _workdir(name: str) -> Iterator[Path]:
     work = Path(tempfile.mkdtemp(prefix=f"stallwatch-rig-{name}-"))
     try:

@@ -220,46 +220,37 @@ def test_full_disk_under_the_state_dir_detects_alerts_and_writes_back(h: Harness
                                                                       tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root (mounts a 1 MiB tmpfs as the state dir)")
+    from faultrigs import fill_up, small_tmpfs
+
     url, events = webhook
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
-    try:
-        h.state = mnt / "state"
-        once = tmp_path / "crash-fired"
-        h.write_config(["--count", "400", "--interval", "0.05", "--crash-at", "60",
-                        "--once", str(once)],
-                       job='max_restarts = 1',
-                       alerts=f'[[alert]]\ntype = "webhook"\nurl = "{url}"\nretry_initial_s = 0.2\n')
-        d = h.start()
-        wait_for(lambda: h.phase() == "running", 30, "the job to run")
-        with open(mnt / "fill", "wb") as f:  # fill the state dir's filesystem
-            try:
-                while True:
-                    f.write(b"\0" * 65536)
-            except OSError:
-                pass
-        # The job crashes at sample 60 with the disk full: detected, alerted, restarted.
-        wait_for(lambda: any(e["kind"] == "crash" and e["state"] == "firing" for e in events),
-                 60, "the crash alert with the state on a full disk")
-        h.wait_log(r"state database cannot be written \(OperationalError: database or disk is "
-                   r"full\)", 10)
-        wait_for(lambda: any(e["kind"] == "crash" and e["state"] == "resolved" for e in events),
-                 60, "the restart resolving the incident")
-        assert d.poll() is None
-        log = h.daemon_log()
-        assert log.count("state database cannot be written") == 1  # said once, not every tick
-        assert log.count("Traceback") <= 1, log[-3000:]
-        (mnt / "fill").unlink()
-        h.wait_log(r"state database writable again", 30)
-        wait_for(lambda: h.phase() == "finished", 60, "the job to finish")
-        inc, = [i for i in h.incidents() if i["kind"] == "crash"]
-        assert inc["state"] == "resolved" and h.job()["restarts"] == 1
-        assert len(h.q("SELECT * FROM runs")) == 2
-        assert h.stop(d) == 0
-    finally:
-        h.cleanup()
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    with small_tmpfs(tmp_path / "small", "1M") as mnt:
+        try:
+            h.state = mnt / "state"
+            once = tmp_path / "crash-fired"
+            h.write_config(["--count", "400", "--interval", "0.05", "--crash-at", "60",
+                            "--once", str(once)],
+                           job='max_restarts = 1',
+                           alerts=f'[[alert]]\ntype = "webhook"\nurl = "{url}"\nretry_initial_s = 0.2\n')
+            d = h.start()
+            wait_for(lambda: h.phase() == "running", 30, "the job to run")
+            fill_up(mnt / "fill")  # the state dir's filesystem
+            # The job crashes at sample 60 with the disk full: detected, alerted, restarted.
+            wait_for(lambda: any(e["kind"] == "crash" and e["state"] == "firing" for e in events),
+                     60, "the crash alert with the state on a full disk")
+            h.wait_log(r"state database cannot be written \(OperationalError: database or disk is "
+                       r"full\)", 10)
+            wait_for(lambda: any(e["kind"] == "crash" and e["state"] == "resolved" for e in events),
+                     60, "the restart resolving the incident")
+            assert d.poll() is None
+            log = h.daemon_log()
+            assert log.count("state database cannot be written") == 1  # said once, not every tick
+            assert log.count("Traceback") <= 1, log[-3000:]
+            (mnt / "fill").unlink()
+            h.wait_log(r"state database writable again", 30)
+            wait_for(lambda: h.phase() == "finished", 60, "the job to finish")
+            inc, = [i for i in h.incidents() if i["kind"] == "crash"]
+            assert inc["state"] == "resolved" and h.job()["restarts"] == 1
+            assert len(h.q("SELECT * FROM runs")) == 2
+            assert h.stop(d) == 0
+        finally:
+            h.cleanup()

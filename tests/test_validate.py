@@ -446,24 +446,12 @@ def test_a_full_quarantine_renames_the_broken_file_aside_in_place(tmp_path):
     rewrites it and no validation takes it for an output; nothing is lost, nothing given up."""
     if os.geteuid() != 0:
         pytest.skip("needs root (mounts a 64 KiB tmpfs as the quarantine's filesystem)")
-    import subprocess
-    small = tmp_path / "small"
-    small.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
-    try:
+    from faultrigs import fill_up, small_tmpfs
+
+    with small_tmpfs(tmp_path / "small", "64k") as small:
         q = small / "quarantine"
         q.mkdir()
-        fd = os.open(small / "fill", os.O_WRONLY | os.O_CREAT)  # fill it
-        try:
-            while os.write(fd, b"\0" * 4096):
-                pass
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        fill_up(small / "fill")
         out = tmp_path / "out"
         files = build_outputs(out, old_mtime=1_000_000.0, new_mtime=2_000_000.0)
         cut_bytes = files["cut"].read_bytes()
@@ -478,5 +466,3 @@ def test_a_full_quarantine_renames_the_broken_file_aside_in_place(tmp_path):
         # a second validation does not take the renamed files for outputs
         again = validate_outputs(out, None, q, use_torch=False)
         assert {Path(s).name for s, _, _ in again.quarantined} == {"data_0.ckpt"}  # old_cut
-    finally:
-        subprocess.run(["umount", "-l", str(small)], check=False)
