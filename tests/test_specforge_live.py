@@ -66,8 +66,10 @@ def kill_tree(job: subprocess.Popen, kids: list[int]) -> None:
 
 
 def run_scenario(tmp: Path, args: tuple[str, ...], fault: Callable[[Path, Path], None] | None = None,
-                 out: Path | None = None) -> dict[str, Any]:
-    """Start the job, record it until the stall has aged (or the job ended), evaluate."""
+                 out: Path | None = None, release: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Start the job, record it until the stall has aged (or the job ended), evaluate.
+    `release` undoes the fault once the recorder has been told to stop: a recorder thread in D
+    on a frozen filesystem holds the process's exit until the thaw (the kernel's rule)."""
     out, log, trace = out or tmp / "hs", tmp / "job.log", tmp / "trace.jsonl"
     job = torchrun(out, log, *args)
     kids: list[int] = []
@@ -88,6 +90,8 @@ def run_scenario(tmp: Path, args: tuple[str, ...], fault: Callable[[Path, Path],
         if job.poll() is not None:
             time.sleep(4)  # a few snapshots of the ended job
         rec.send_signal(signal.SIGINT)
+        if release is not None:
+            release()
         rec.wait(30)
     finally:
         if rec is not None and rec.poll() is None:
@@ -180,7 +184,8 @@ def _io_stall(tmp: Path) -> Any:
         with rigs.loop_ext4(64) as fs:
             try:
                 return run_scenario(tmp, ("--io-queue-size", "4", "--num-io-threads", "2"),
-                                    fault=freeze_after_progress(fs), out=fs.mnt / "hs")
+                                    fault=freeze_after_progress(fs), out=fs.mnt / "hs",
+                                    release=fs.thaw)
             finally:
                 fs.thaw()
     except rigs.RigUnavailable as e:
