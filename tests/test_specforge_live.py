@@ -88,7 +88,11 @@ def run_scenario(tmp: Path, args: tuple[str, ...], fault: Callable[[Path, Path],
         wait_for(lambda: job.poll() is not None or time.monotonic() - fired >= STALL_AGE_S,
                  STALL_AGE_S + 30, "the stall to age")
         if job.poll() is not None:
-            time.sleep(4)  # a few snapshots of the ended job
+            # a few snapshots of the ended job, counted (a loaded recorder ticks late: four
+            # seconds were once too few for it to read the closing lines)
+            seen = len(trace.read_bytes().splitlines()) if trace.exists() else 0
+            wait_for(lambda: trace.exists() and len(trace.read_bytes().splitlines()) >= seen + 4,
+                     60, "four snapshots of the ended job")
         rec.send_signal(signal.SIGINT)
         if release is not None:
             release()
