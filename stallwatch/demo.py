@@ -743,7 +743,7 @@ kill_grace_s = 3
     # -- checks ----------------------------------------------------------------------------
 
     def _verify(self) -> None:
-        from stallwatch.actions.validate import validate_file
+        from stallwatch.actions.filecheck import validate_file
 
         expected_kind = self.fault
         inc = self.first_incident

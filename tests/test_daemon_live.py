@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import pytest
 
-from stallwatch.actions.validate import validate_file
+from stallwatch.actions.filecheck import validate_file
 
 ROOT = Path(__file__).resolve().parents[1]
 WRITER = ROOT / "tests" / "jobs" / "pt_writer.py"

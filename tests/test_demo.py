@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from stallwatch.actions.validate import validate_file
+from stallwatch.actions.filecheck import validate_file
 
 pytestmark = pytest.mark.slow
 

@@ -163,7 +163,7 @@ def test_hang_fault_deadlocks_the_main_thread(server, tmp_path):
 
 def test_hang_mid_write_leaves_a_truncated_file_at_its_final_path(server, tmp_path):
     """SpecForge's hazard, on demand: the writer stops half-way through a file, alive."""
-    from stallwatch.actions.validate import validate_file
+    from stallwatch.actions.filecheck import validate_file
 
     out, log = tmp_path / "out", tmp_path / "client.log"
     argv = [sys.executable, "-m", "stallwatch.sglang.extract_client", "--server", server.url, "--out",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from stallwatch.actions.validate import validate_file
+from stallwatch.actions.filecheck import validate_file
 
 torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[test]' installs it)")
 pytest.importorskip("tqdm", reason="needs tqdm (a test dependency)")

@@ -25,7 +25,7 @@ pytest.importorskip("tqdm", reason="needs tqdm (a test dependency)")
 
 import torch  # noqa: E402
 
-from stallwatch.actions.validate import validate_file  # noqa: E402
+from stallwatch.actions.filecheck import validate_file  # noqa: E402
 from test_daemon_live import Harness, fast_rules  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from stallwatch.actions.validate import (LEGACY_MAGIC, quarantine_file, validate_file,
-                                         validate_outputs)
+from stallwatch.actions.filecheck import LEGACY_MAGIC, validate_file
+from stallwatch.actions.quarantine import quarantine_file
+from stallwatch.actions.validate import validate_outputs
 from stallwatch.clock import FakeClock
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None

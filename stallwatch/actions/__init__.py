@@ -11,10 +11,11 @@ See docs/actions.md.
 """
 
 from stallwatch.actions.evidence import capture_evidence, find_py_spy
+from stallwatch.actions.filecheck import FileCheck, validate_file
 from stallwatch.actions.kill import (KillOperation, KillReport, KillState, KillTransition,
                                      Refusal, SignalRecord, Survivor)
-from stallwatch.actions.validate import (DEFAULT_PATTERNS, FileCheck, Quarantined, Skipped,
-                                         ValidationReport, quarantine_file, validate_file,
+from stallwatch.actions.quarantine import quarantine_file
+from stallwatch.actions.validate import (DEFAULT_PATTERNS, Quarantined, Skipped, ValidationReport,
                                          validate_outputs)
 
 __all__ = [
