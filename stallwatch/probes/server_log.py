@@ -19,7 +19,7 @@ import os
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.model import Frozen
-from stallwatch.probes.logs import LogFollower, LogStatus
+from stallwatch.probes.logfollow import LogFollower, LogStatus
 from stallwatch.sglang.serverlog import LogEvent, LogState, parse_line
 
 _MAX_SCAN_LINES = 20_000  # lines parsed per tick; the follower already bounds the bytes
