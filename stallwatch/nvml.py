@@ -12,10 +12,13 @@ library that raises pynvml's own exception classes.
 
 from __future__ import annotations
 
+import logging
 import threading
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 from stallwatch.clock import Clock, SYSTEM_CLOCK
+
+_log = logging.getLogger(__name__)
 
 
 class _NA:
@@ -101,6 +104,8 @@ class Nvml:
         self._lock = threading.Lock()
         self._tried_at: float | None = None
         self._reason_by_code: dict[int, str] = {}
+        # per tuple of versioned names: the one that answered (call_first)
+        self._spelling: dict[tuple[str, ...], str] = {}
         self.status: str | None = None  # None until the first init attempt
         self.error: str | None = None
 
@@ -159,6 +164,7 @@ class Nvml:
             if self.status == OK:
                 self.call("nvmlShutdown")
             self.status, self._tried_at = None, None
+            self._spelling.clear()  # a later init may meet another driver
 
     # -- calls --------------------------------------------------------------------------------
 
@@ -191,12 +197,29 @@ class Nvml:
             return Outcome(NA, self.reason(e))
         return Outcome(text(value), None)
 
-    def call_first(self, names: Iterable[str], *args: Any) -> Outcome:
-        """Newest API first; fall back only when a spelling is missing from pynvml or the driver."""
+    def call_first(self, names: Sequence[str], *args: Any) -> Outcome:
+        """Newest API first; fall back only when a spelling is missing from pynvml or the driver.
+
+        The spelling that answered first is remembered per `names` (nvitop's libnvml resolves
+        versioned names once the same way) and tried first from then on, so an older driver
+        costs one failed lookup per session, not one per call; the fallback is logged once.
+        A remembered spelling that goes missing still falls through to the others in order.
+        """
+        names = tuple(names)
+        status = self.init()
+        if status != OK:
+            return Outcome(NA, status)
+        known = self._spelling.get(names)
+        order = names if known is None else (known, *(n for n in names if n != known))
         out = Outcome(NA, "missing_in_pynvml")
-        for name in names:
+        for name in order:
             out = self.call(name, *args)
             if out.reason not in _MISSING:
+                if known is None:
+                    self._spelling[names] = name
+                    if name != names[0]:
+                        _log.info("NVML: %s is not in this pynvml or driver; using %s",
+                                  names[0], name)
                 return out
         return out
 
@@ -233,7 +256,3 @@ def default_nvml() -> Nvml:
             _default = Nvml()
         return _default
 
-
-def nvml_query(fn: str | Callable[..., Any], *args: Any, default: Any = NA) -> Any:
-    """nvitop-style one-liner over the process-wide session."""
-    return default_nvml().query(fn, *args, default=default)

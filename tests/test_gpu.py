@@ -20,7 +20,7 @@ import pynvml
 import pytest
 
 from stallwatch.clock import FakeClock
-from stallwatch.nvml import NA, Nvml, nvml_query
+from stallwatch.nvml import NA, Nvml, default_nvml
 from stallwatch.probes.gpu import GpuObs, GpuProbe, decode_clock_reasons, gpu_pids
 
 GiB = 1 << 30
@@ -354,8 +354,8 @@ def test_real_pynvml_without_gpu_is_a_state_not_an_exception():
 
 
 def test_module_level_query_and_default_probe():
-    assert nvml_query("nvmlDeviceGetCount") is NA
-    assert nvml_query("nvmlDeviceGetCount", default=0) == 0
+    assert default_nvml().query("nvmlDeviceGetCount") is NA
+    assert default_nvml().query("nvmlDeviceGetCount", default=0) == 0
     assert not NA and repr(NA) == "N/A"
     assert GpuProbe().collect().status in ("no_library", "no_driver")
 
@@ -510,6 +510,28 @@ def test_old_driver_falls_back_to_older_spellings():
     dev = obs.devices[0]
     assert [(p.pid, p.used_bytes) for p in dev.processes] == [(7, GiB)]
     assert (dev.mem_used_bytes, dev.mem_reserved_bytes) == (2 * GiB, None)
+
+
+def test_call_first_resolves_the_spelling_once_and_logs_the_fallback_once(caplog):
+    lib = FakeNvml([FakeGpu(uuid="GPU-1", compute=[(7, GiB, 0, 0)], fail={
+        "nvmlDeviceGetComputeRunningProcesses_v3": pynvml.NVML_ERROR_FUNCTION_NOT_FOUND})])
+    nv = Nvml(lib=lib)
+    assert nv.init() == "ok"
+    handle = lib.nvmlDeviceGetHandleByIndex(0)
+    names = ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2")
+    with caplog.at_level("INFO", logger="stallwatch.nvml"):
+        for _ in range(3):
+            out = nv.call_first(names, handle)
+            assert out.ok and [p.pid for p in out.value] == [7]
+    assert lib.calls["nvmlDeviceGetComputeRunningProcesses_v3"] == 1  # asked once, then not
+    assert lib.calls["nvmlDeviceGetComputeRunningProcesses_v2"] == 3
+    fallbacks = [r.getMessage() for r in caplog.records if "_v3" in r.getMessage()]
+    assert fallbacks == ["NVML: nvmlDeviceGetComputeRunningProcesses_v3 is not in this pynvml or "
+                         "driver; using nvmlDeviceGetComputeRunningProcesses_v2"]
+    nv.shutdown()  # a new session may meet another driver: resolved again
+    lib.gpus[0].fail.clear()
+    assert nv.call_first(names, handle).ok
+    assert lib.calls["nvmlDeviceGetComputeRunningProcesses_v3"] == 2
 
 
 def test_processes_stay_unknown_when_no_spelling_exists():
