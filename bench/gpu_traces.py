@@ -20,7 +20,7 @@ TRACES = [ROOT / "tests" / "data" / "gpu_h200_stop_kill.jsonl",
 
 
 def one(path: Path) -> dict[str, Any]:
-    from stallwatch.trace import read_trace
+    from stallwatch.probes.trace import read_trace
 
     header, snaps, _ = read_trace(path)
     gpu, procs, excess, ticks, slow_gpu, fast_gpu, slow_x = [], [], [], [], [], [], []

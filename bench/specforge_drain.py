@@ -22,10 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from stallwatch.features import features
-from stallwatch.replay import evaluate_trace
-from stallwatch.snapshot import Snapshot
-from stallwatch.trace import read_trace
+from stallwatch.engine.features import features
+from stallwatch.commands.replay import evaluate_trace
+from stallwatch.probes.snapshot import Snapshot
+from stallwatch.probes.trace import read_trace
 
 JOB = Path(__file__).resolve().parents[1] / "tests" / "jobs" / "specforge_job.py"
 OK = {"healthy", "unknown", "finished"}

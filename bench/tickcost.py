@@ -47,7 +47,7 @@ class Ticker:
     """Runs ticks and records, per tick, CPU (all threads) and wall time of each stage."""
 
     def __init__(self, collector, rules=None) -> None:
-        from stallwatch import diagnose
+        from stallwatch.engine import diagnose
         from stallwatch.engine import Evaluator
 
         self.collector = collector
@@ -56,7 +56,7 @@ class Ticker:
         self.last = None
 
     def tick(self) -> Any:
-        from stallwatch.features import features
+        from stallwatch.engine.features import features
 
         c0, w0 = time.process_time(), time.perf_counter()
         snap = self.collector.tick()
@@ -97,7 +97,7 @@ class Ticker:
 
 
 def _collector(target, **kw):
-    from stallwatch.collector import Collector
+    from stallwatch.probes.collector import Collector
 
     return Collector(target, **kw)
 
@@ -135,7 +135,7 @@ def _healthy_job(work: Path) -> tuple[subprocess.Popen, Path, Path]:
 
 def what_tick(params: dict[str, Any], work: Path) -> dict[str, Any]:
     """A healthy job (a progress line and an output file every 0.2 s): the steady tick."""
-    from stallwatch.targets import Target
+    from stallwatch.probes.targets import Target
 
     job, log, out = _healthy_job(work)
     try:
@@ -205,7 +205,7 @@ while True:
 
 def what_log(params: dict[str, Any], work: Path) -> dict[str, Any]:
     """Tick cost against the log's size, the log growing at `rate` bytes/s while measured."""
-    from stallwatch.targets import Target
+    from stallwatch.probes.targets import Target
 
     block_path = work / "block.bin"
     block = _block(2 << 20)
@@ -272,7 +272,7 @@ def what_outputs(params: dict[str, Any], work: Path) -> dict[str, Any]:
     (all at once every 10th reconciliation before the change, a tenth of them in each after),
     back to back."""
     from stallwatch.clock import FakeClock
-    from stallwatch.targets import Target
+    from stallwatch.probes.targets import Target
 
     rows = []
     sleeper = _spawn(["sleep", "100000"])
@@ -359,7 +359,7 @@ time.sleep(100000)
 
 
 def what_tree(params: dict[str, Any], work: Path) -> dict[str, Any]:
-    from stallwatch.targets import Target
+    from stallwatch.probes.targets import Target
 
     rows = []
     for mode in ("procs", "threads"):
@@ -413,11 +413,11 @@ def clone_rules(n: int, dest: Path) -> Path:
 def what_rules(params: dict[str, Any], work: Path) -> dict[str, Any]:
     """Rules evaluation cost against the number of rules, over recorded snapshots (a healthy
     job, then a deadlock: rules pending, firing, evidence rendered)."""
-    from stallwatch import diagnose
+    from stallwatch.engine import diagnose
     from stallwatch.engine import Evaluator
-    from stallwatch.features import features
-    from stallwatch.snapshot import Snapshot
-    from stallwatch.trace import read_trace
+    from stallwatch.engine.features import features
+    from stallwatch.probes.snapshot import Snapshot
+    from stallwatch.probes.trace import read_trace
 
     snaps = []
     for name in params.get("traces", ["healthy", "deadlock"]):

@@ -1,4 +1,4 @@
-from stallwatch.cli import main
+from stallwatch.commands.cli import main
 
 if __name__ == "__main__":
     main()

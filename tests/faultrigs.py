@@ -45,7 +45,7 @@ from rigs import (
     wait_until,
 )
 
-from stallwatch.procfs import parse_syscall
+from stallwatch.kernel.procfs import parse_syscall
 
 JOBS = Path(__file__).resolve().parent / "jobs"
 JOB = JOBS / "extract_like.py"

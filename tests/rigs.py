@@ -27,7 +27,7 @@ from typing import Callable, Iterator, TypeVar
 
 import pytest
 
-from stallwatch.roots import Roots
+from stallwatch.kernel.roots import Roots
 
 T = TypeVar("T")
 

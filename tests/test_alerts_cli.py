@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from stallwatch.alerts.redact import REDACTOR
-from stallwatch.cli import main
+from stallwatch.commands.cli import main
 
 from test_alerts_http import SLACK_PATH, Reply, receiver_factory  # noqa: F401
 

@@ -149,7 +149,7 @@ def test_load_alerts_file_and_the_daemon_config(tmp_path: Path) -> None:
     cfgs = load_alerts_file(p)
     assert [c.name for c in cfgs] == ["slack", "command"]
     try:
-        from stallwatch.config import load_config
+        from stallwatch.daemon.config import load_config
     except ImportError:
         return
     cfg = load_config(p)

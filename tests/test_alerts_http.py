@@ -20,7 +20,7 @@ import pytest
 
 from stallwatch.alerts import AlertDispatcher, parse_alerts, sample_event
 from stallwatch.alerts.redact import REDACTOR
-from stallwatch.events import AlertEvent, EvidenceLine, ProgressInfo
+from stallwatch.alerts.events import AlertEvent, EvidenceLine, ProgressInfo
 
 SECRET_TOKEN = "Xq7SECRETtokenZZ9"
 SLACK_PATH = f"/services/T0TEAM/B0HOOK/{SECRET_TOKEN}"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from stallwatch.alerts.redact import REDACTOR, RedactingFilter, redact, redact_traceback, register_secret
-from stallwatch.cli import main
+from stallwatch.commands.cli import main
 
 from test_alerts_http import (FAST, SECRET_TOKEN, SLACK_PATH, Reply, dispatcher, event,  # noqa: F401
                               receiver_factory)

@@ -37,7 +37,7 @@ HEADROOM_TASKS = 60  # the pids limit: the daemon's tasks once it runs, plus thi
 
 
 def _has_user_key() -> bool:
-    from stallwatch.config import JobConfig
+    from stallwatch.daemon.config import JobConfig
 
     return "user" in JobConfig.model_fields
 

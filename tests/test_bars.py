@@ -1,4 +1,4 @@
-"""Per-rank tqdm bars in one log (stallwatch/bars.py, LogProbe) on real captures.
+"""Per-rank tqdm bars in one log (stallwatch/probes/text/bars.py, LogProbe) on real captures.
 
 tests/fixtures/specforge/*.log are the stdout+stderr of `torchrun --nproc_per_node 3
 tests/jobs/specforge_job.py --num-samples 60 --batch-size 4 --batch-s 0.1` with real tqdm 4.x:
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stallwatch.bars import MultiBars, cursor_ups
+from stallwatch.probes.text.bars import MultiBars, cursor_ups
 from stallwatch.clock import FakeClock
 from stallwatch.probes.logs import LogProbe
-from stallwatch.progress import parse_tqdm
-from stallwatch.torchrun import RootCauseTracker, parse_environ, rank_info, is_launcher
+from stallwatch.probes.text.progress import parse_tqdm
+from stallwatch.probes.torchrun import RootCauseTracker, parse_environ, rank_info, is_launcher
 
 FIX = Path(__file__).parent / "fixtures" / "specforge"
 

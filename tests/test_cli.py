@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stallwatch.trace import read_trace
+from stallwatch.probes.trace import read_trace
 
 SW = [sys.executable, "-m", "stallwatch"]
 

@@ -9,10 +9,10 @@ import time
 import pytest
 from rigs import dead_fuse_mount, root  # noqa: F401 - root is a fixture
 
-from stallwatch.collector import Collector
-from stallwatch.features import features
+from stallwatch.probes.collector import Collector
+from stallwatch.engine.features import features
 from stallwatch.probes.base import DeadlineRunner, ProbeStatus
-from stallwatch.targets import Target
+from stallwatch.probes.targets import Target
 
 
 def test_a_hanging_call_times_out_then_reports_busy_and_never_piles_up():

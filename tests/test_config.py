@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from stallwatch.config import DEFAULT_STATE_DIR, default_state_dir, load_config
+from stallwatch.daemon.config import DEFAULT_STATE_DIR, default_state_dir, load_config
 from stallwatch.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from stallwatch.config import load_config
+from stallwatch.daemon.config import load_config
 from stallwatch.errors import UsageError
 from stallwatch.daemon.core import Daemon
 from stallwatch.daemon.status import exit_code, render_status, status_doc
-from stallwatch.state import StateDB
+from stallwatch.daemon.state import StateDB
 
 ROOT = Path(__file__).resolve().parents[1]
 WRITER = ROOT / "tests" / "jobs" / "pt_writer.py"

@@ -336,8 +336,8 @@ time.sleep(60)
 
 
 def _host():
-    from stallwatch.discover import _Host
-    from stallwatch.roots import DEFAULT_ROOTS
+    from stallwatch.probes.discover import _Host
+    from stallwatch.kernel.roots import DEFAULT_ROOTS
 
     return _Host(DEFAULT_ROOTS)
 
@@ -345,7 +345,7 @@ def _host():
 def test_log_through_tee_and_outputs_below_the_named_folder(tmp_path: Path) -> None:
     """stdout into `tee run.log`: the log is the file at the other end of the pipe; the outputs
     are the folder the command line names, not the shard folder the files are in."""
-    from stallwatch.discover import _find_log, _find_outputs
+    from stallwatch.probes.discover import _find_log, _find_outputs
 
     job = tmp_path / "job.py"
     job.write_text(JOB)
@@ -371,7 +371,7 @@ def test_log_through_tee_and_outputs_below_the_named_folder(tmp_path: Path) -> N
 
 
 def test_log_opened_for_append(tmp_path: Path) -> None:
-    from stallwatch.discover import _find_log
+    from stallwatch.probes.discover import _find_log
 
     job = tmp_path / "job.py"
     job.write_text(JOB)
@@ -390,7 +390,7 @@ def test_log_opened_for_append(tmp_path: Path) -> None:
 
 
 def test_url_from_the_listen_address() -> None:
-    from stallwatch.discover import _url
+    from stallwatch.probes.discover import _url
 
     assert _url("0.0.0.0", 30000) == "http://127.0.0.1:30000"
     assert _url("::", 30000) == "http://127.0.0.1:30000"

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from stallwatch.clock import FakeClock
-from stallwatch.diskfs import (
+from stallwatch.kernel.diskfs import (
     MountInfo, block_device, device_for_mount, mount_for_path, parse_diskstats, parse_mountinfo,
     path_in_filesystem, unescape_octal,
 )
 from stallwatch.probes.base import ProbeStatus
 from stallwatch.probes.disks import DisksObs, DisksProbe
-from stallwatch.roots import Roots
+from stallwatch.kernel.roots import Roots
 
 HOST1 = Path(__file__).parent / "fixtures" / "disks" / "host1"
 WORK = "/tmp/sw fixture k1x628j_"  # the capture's temporary directory, as the fixture records it

@@ -12,7 +12,7 @@ import pytest
 from rigs import root, spawned, wait_until  # noqa: F401 (root is a fixture)
 
 from stallwatch.probes.disks import DisksProbe
-from stallwatch.roots import Roots
+from stallwatch.kernel.roots import Roots
 
 
 class CountingRoots(Roots):

@@ -63,7 +63,7 @@ def _paths(d: dict[str, Any], prefix: str = "") -> Iterator[str]:
 # ---------------------------------------------------------------------------------- variables
 
 def test_every_variable_is_documented_in_rules_md() -> None:
-    from stallwatch.diagnose import schema
+    from stallwatch.engine.diagnose import schema
 
     section = _section(DOCS / "rules.md", "Variables")
     assert "TODO" not in section, "docs/rules.md: the Variables section still has a TODO"
@@ -76,7 +76,7 @@ def test_every_variable_is_documented_in_rules_md() -> None:
 def test_documented_variables_exist() -> None:
     """The other direction: a documented `group.key` that the schema does not have is a typo or
     a variable that was removed (a rule written from the docs would be refused at load)."""
-    from stallwatch.diagnose import schema
+    from stallwatch.engine.diagnose import schema
 
     known = set(_paths(schema()))
     groups = {k for k, v in schema().items() if isinstance(v, dict)}
@@ -118,7 +118,7 @@ def test_every_kind_has_a_runbook_linked_from_the_index_and_rules_md() -> None:
 
 
 def test_every_builtin_rule_is_in_the_runbook_of_its_kind() -> None:
-    from stallwatch.diagnose import load
+    from stallwatch.engine.diagnose import load
 
     missing = []
     for rule in load().rules:
@@ -139,7 +139,7 @@ OWN_PAGE = {"demo": "demo.md", "alert test": "alerts.md", "run": "daemon.md", "s
 def _commands() -> Iterator[tuple[str, list[str]]]:
     import typer.main
 
-    from stallwatch.cli import app
+    from stallwatch.commands.cli import app
 
     def walk(group, prefix: str) -> Iterator[tuple[str, list[str]]]:
         for name, cmd in sorted(group.commands.items()):
@@ -182,7 +182,7 @@ def _config_models() -> list[tuple[str, Any]]:
         SlackConfig,
         WebhookConfig,
     )
-    from stallwatch.config import DaemonConfig, JobConfig
+    from stallwatch.daemon.config import DaemonConfig, JobConfig
 
     return [("[daemon]", DaemonConfig), ("[[job]]", JobConfig), ("[[alert]]", WebhookConfig),
             ("[[alert]]", SlackConfig), ("[[alert]]", DesktopConfig), ("[[alert]]", CommandConfig)]
@@ -262,7 +262,7 @@ def test_docs_index_lists_every_page() -> None:
 
 def test_configuration_examples_load() -> None:
     """Every TOML example in configuration.md is a valid config."""
-    from stallwatch.config import parse_config
+    from stallwatch.daemon.config import parse_config
 
     text = (DOCS / "configuration.md").read_text(encoding="utf-8")
     blocks = re.findall(r"```toml\n(.*?)```", text, re.DOTALL)

@@ -18,13 +18,13 @@ from rigs import (frozen_ext4, root, spawn_in_state, spawned,  # noqa: F401 (roo
 from stallwatch.actions.evidence import capture_evidence, find_py_spy
 from stallwatch.clock import FakeClock
 from stallwatch.engine.alerting import EvidenceItem, Verdict
-from stallwatch.kmsgparse import EventKind, KernelEvent
+from stallwatch.kernel.kmsgparse import EventKind, KernelEvent
 from stallwatch.probes.base import ProbeStatus
 from stallwatch.probes.kmsg import KernelLogObs
 from stallwatch.probes.logs import LogProbe
 from stallwatch.probes.processes import ProcessesProbe
-from stallwatch.snapshot import Snapshot
-from stallwatch.targets import Target
+from stallwatch.probes.snapshot import Snapshot
+from stallwatch.probes.targets import Target
 
 PY_SPY = find_py_spy("py-spy")
 needs_py_spy = pytest.mark.skipif(PY_SPY is None, reason="py-spy is not installed "

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from rigs import frozen_ext4, root, spawned, task_state, thread_ids, wait_until  # noqa: F401
 
-from stallwatch.progress import clean_line, parse_progress
+from stallwatch.probes.text.progress import clean_line, parse_progress
 from stallwatch.sglang import ptfile
 from stallwatch.sglang.extract_client import HandBar, format_meter, make_sample, sample_path
 from stallwatch.sglang.protocol_server import launch_server as _launch

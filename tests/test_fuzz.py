@@ -19,16 +19,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stallwatch import procfs
+from stallwatch.kernel import procfs
 from stallwatch.clock import FakeClock
-from stallwatch.config import parse_config
+from stallwatch.daemon.config import parse_config
 from stallwatch.engine import load_rules
 from stallwatch.engine.rulefile import RuleLoadError
 from stallwatch.errors import UsageError
-from stallwatch.kmsgparse import parse_event, parse_record
+from stallwatch.kernel.kmsgparse import parse_event, parse_record
 from stallwatch.probes.logs import LogProbe
 from stallwatch.probes.server import parse_metrics
-from stallwatch.progress import parse_progress
+from stallwatch.probes.text.progress import parse_progress
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = settings(max_examples=1000, deadline=1000,

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from stallwatch.features import STALL_FLOOR_S
-from stallwatch.replay import evaluate_trace
-from stallwatch.trace import read_trace
+from stallwatch.engine.features import STALL_FLOOR_S
+from stallwatch.commands.replay import evaluate_trace
+from stallwatch.probes.trace import read_trace
 
 TRACES = Path(__file__).parent / "data" / "traces"
 _PROGRESS = re.compile(r"\| \d+/\d+ \[")

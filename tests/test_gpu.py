@@ -20,7 +20,7 @@ import pynvml
 import pytest
 
 from stallwatch.clock import FakeClock
-from stallwatch.nvml import NA, Nvml, default_nvml
+from stallwatch.kernel.nvml import NA, Nvml, default_nvml
 from stallwatch.probes.gpu import GpuObs, GpuProbe, decode_clock_reasons, gpu_pids
 
 GiB = 1 << 30
@@ -519,7 +519,7 @@ def test_call_first_resolves_the_spelling_once_and_logs_the_fallback_once(caplog
     assert nv.init() == "ok"
     handle = lib.nvmlDeviceGetHandleByIndex(0)
     names = ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2")
-    with caplog.at_level("INFO", logger="stallwatch.nvml"):
+    with caplog.at_level("INFO", logger="stallwatch.kernel.nvml"):
         for _ in range(3):
             out = nv.call_first(names, handle)
             assert out.ok and [p.pid for p in out.value] == [7]

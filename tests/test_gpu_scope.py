@@ -10,16 +10,16 @@ import time
 
 import pytest
 
-from stallwatch.diagnose import load
+from stallwatch.engine.diagnose import load
 from stallwatch.engine import Evaluator
-from stallwatch.features import features
-from stallwatch.kmsgparse import EventKind, KernelEvent
+from stallwatch.engine.features import features
+from stallwatch.kernel.kmsgparse import EventKind, KernelEvent
 from stallwatch.probes.base import ProbeStatus
 from stallwatch.probes.gpu import GpuDeviceObs, GpuObs, GpuProcessObs, XidEventObs
 from stallwatch.probes.kmsg import KernelLogObs
 from stallwatch.probes.processes import ProcessesProbe
-from stallwatch.snapshot import Snapshot
-from stallwatch.targets import Target
+from stallwatch.probes.snapshot import Snapshot
+from stallwatch.probes.targets import Target
 
 PID = 0
 

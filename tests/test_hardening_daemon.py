@@ -68,7 +68,7 @@ elif step in ("spawn:before", "spawn:after"):
 else:
     raise SystemExit(f"unknown failpoint {step}")
 
-from stallwatch.cli import main
+from stallwatch.commands.cli import main
 main(sys.argv[1:])
 """
 

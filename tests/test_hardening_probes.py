@@ -25,11 +25,11 @@ from rigs import frozen_ext4, root, spawned  # noqa: F401 - root is a fixture
 from test_gpu import GiB, FakeGpu, FakeNvml
 from test_server import FakeSGLang, sglang_metrics
 
-from stallwatch.collector import Collector
-from stallwatch.features import features
-from stallwatch.nvml import Nvml
+from stallwatch.probes.collector import Collector
+from stallwatch.engine.features import features
+from stallwatch.kernel.nvml import Nvml
 from stallwatch.probes.base import ProbeStatus
-from stallwatch.targets import Target
+from stallwatch.probes.targets import Target
 
 DEADLINE = 0.5
 
@@ -143,9 +143,9 @@ def test_nvml_library_failing_init_mid_run_is_a_status() -> None:
 
 UNPRIV = r"""
 import json, os, sys
-from stallwatch.collector import Collector
-from stallwatch.features import features
-from stallwatch.targets import Target
+from stallwatch.probes.collector import Collector
+from stallwatch.engine.features import features
+from stallwatch.probes.targets import Target
 pid = int(sys.argv[1])
 c = Collector(Target(pids=(pid,)), gpu=False, deadline_s=2.0, use_inotify=False)
 snaps = [c.tick(), c.tick()]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from test_daemon_live import WRITER, Harness, h, scan_writers, wait_for, webhook  # noqa: F401
 
-from stallwatch.state import DB_NAME, StateDB
+from stallwatch.daemon.state import DB_NAME, StateDB
 
 LOCKER = r"""
 import sqlite3, sys

@@ -18,7 +18,7 @@ import pytest
 from rigs import (FakeProc, frozen_ext4, root,  # noqa: F401 (root is a fixture)
                   spawn_in_state, spawned, task_state, wait_for_state, wait_until)
 
-from stallwatch import procfs
+from stallwatch.kernel import procfs
 from stallwatch.actions.kill import KillOperation, KillState
 from stallwatch.clock import FakeClock
 

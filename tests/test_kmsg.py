@@ -14,10 +14,10 @@ from typing import Iterator
 import pytest
 
 from stallwatch.clock import FakeClock
-from stallwatch.kmsgparse import EventKind, KernelEventParser, parse_event, parse_record
+from stallwatch.kernel.kmsgparse import EventKind, KernelEventParser, parse_event, parse_record
 from stallwatch.probes.base import ProbeStatus
 from stallwatch.probes.kmsg import KernelLogObs, KernelLogProbe
-from stallwatch.roots import Roots
+from stallwatch.kernel.roots import Roots
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kmsg"
 

@@ -408,9 +408,9 @@ def test_a_one_off_long_gap_is_not_learned_as_rhythm(tmp_path, clock):
     assert o.cadence_s.max_s == 1.0 and o.cadence_s.outliers == 1 and o.cadence_s.last_outlier_s == 45.0
     o = _steady(probe, log, clock, 12, 40)  # the gap would still be inside a 32-interval ring
     assert o.cadence_s.max_s == 1.0 and o.cadence_s.p90_s == 1.0
-    from stallwatch.features import stall_threshold_s
-    from stallwatch.snapshot import Snapshot
-    from stallwatch.targets import Target
+    from stallwatch.engine.features import stall_threshold_s
+    from stallwatch.probes.snapshot import Snapshot
+    from stallwatch.probes.targets import Target
     snap = Snapshot(t_mono=clock.monotonic(), t_wall=clock.time(), host="t", target=Target(log=log), log=o)
     t, why = stall_threshold_s(snap)
     assert t == 20.0, why  # the floor, not 2 × 45 s

@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch import __version__
-from stallwatch.metrics import (
+from stallwatch.daemon.metrics import (
     INCIDENT_KINDS,
     JOB_STATES,
     VERDICT_KINDS,
@@ -245,8 +245,8 @@ def test_duplicate_job_names_do_not_break_the_scrape(exporter):
 
 
 def test_views_from_a_real_h200_snapshot():
-    from stallwatch.snapshot import Snapshot
-    from stallwatch.trace import read_trace
+    from stallwatch.probes.snapshot import Snapshot
+    from stallwatch.probes.trace import read_trace
     _, snaps, events = read_trace(H200_TRACE)
     busy = next(e["wall"] for e in events if e.get("phase") == "busy")
     s = next(Snapshot.model_validate({k: v for k, v in r.items() if k != "type"})
@@ -269,7 +269,7 @@ def test_daemon_metrics_adapter_reads_the_daemon(tmp_path):
     dispatcher's status, and never an exception into the tick."""
     from types import SimpleNamespace as NS
 
-    from stallwatch.metrics import DaemonMetrics, deliveries_from_status
+    from stallwatch.daemon.metrics import DaemonMetrics, deliveries_from_status
 
     class DB:
         def __init__(self):
@@ -642,7 +642,7 @@ def test_kubernetes_daemonset_manifest():
     cm = next(d for d in docs if d["kind"] == "ConfigMap")
     toml = next(iter(cm["data"].values()))
     assert re.search(r'metrics_listen\s*=\s*"127\.0\.0\.1:9835"', toml)
-    from stallwatch.config import parse_config
+    from stallwatch.daemon.config import parse_config
     cfg = parse_config(toml, "daemonset.yaml ConfigMap")  # the daemon would accept it
     assert cfg.daemon.metrics_listen == "127.0.0.1:9835" and cfg.job
     # the sidecar publishes the loopback endpoint
@@ -659,7 +659,7 @@ def test_slurm_scripts_are_valid_shell():
 
 
 def test_slurm_node_script_writes_a_config_the_daemon_accepts(tmp_path):
-    from stallwatch.config import parse_config
+    from stallwatch.daemon.config import parse_config
     env = dict(os.environ, SLURM_JOB_ID="4242", SLURM_NODEID="3", SLURM_JOB_NUM_NODES="16",
                SLURM_JOB_NAME="extract", STALLWATCH_WORKDIR=str(tmp_path / "w"),
                STALLWATCH_OUTPUTS="/data/hs", STALLWATCH_ALERT_WEBHOOK="https://hooks.example/x")
@@ -892,7 +892,7 @@ def _daemon_wiring() -> str | None:
         return "the daemon (stallwatch/daemon/) has not landed yet"
     src = "".join(p.read_text(errors="replace") for p in d.rglob("*.py"))
     if "DaemonMetrics" not in src and "MetricsExporter" not in src:
-        return ("stallwatch/daemon/core.py does not use stallwatch.metrics yet: its own "
+        return ("stallwatch/daemon/core.py does not use stallwatch.daemon.metrics yet: its own "
                 "_start_metrics/_update_metrics still build ad-hoc gauges (the 3 lines in "
                 "docs/fleet.md, 'Wiring into the daemon', replace them)")
     return None
@@ -969,9 +969,9 @@ def _check_daemon_scrape(port: int, deadline_s: float = 60.0, alive=lambda: True
 def test_the_real_daemon_with_the_exporter_wired_in(tmp_path, monkeypatch):
     """The real Daemon (in a thread, as the daemon's own tests run it) with DaemonMetrics wired
     in exactly as docs/fleet.md tells the daemon to: a supervised job, scraped over HTTP."""
-    from stallwatch.config import load_config
+    from stallwatch.daemon.config import load_config
     from stallwatch.daemon.core import Daemon
-    from stallwatch.metrics import DaemonMetrics
+    from stallwatch.daemon.metrics import DaemonMetrics
 
     if _daemon_wiring() is not None:  # not wired yet: apply the documented wiring here
         def start(self):
@@ -1020,7 +1020,7 @@ def test_the_real_daemon_writes_the_textfile(tmp_path):
     missing = _daemon_wiring()
     if missing:
         pytest.skip(missing)
-    from stallwatch.config import load_config
+    from stallwatch.daemon.config import load_config
     from stallwatch.daemon.core import Daemon
 
     tf = tmp_path / "textfile"
@@ -1052,10 +1052,10 @@ def test_the_real_daemon_writes_the_textfile(tmp_path):
 
 
 def test_the_config_refuses_a_remote_metrics_listen_unless_allowed(tmp_path):
-    from stallwatch.config import parse_config
+    from stallwatch.daemon.config import parse_config
     from stallwatch.errors import UsageError
 
-    if "metrics_allow_remote" not in __import__("stallwatch.config").config.DaemonConfig.model_fields:
+    if "metrics_allow_remote" not in __import__("stallwatch.daemon.config").daemon.config.DaemonConfig.model_fields:
         pytest.skip("DaemonConfig has no metrics_allow_remote yet")
     with pytest.raises(UsageError, match="not a loopback address"):
         parse_config('[daemon]\nmetrics_listen = "0.0.0.0:9835"\n')

@@ -20,7 +20,7 @@ from stallwatch.clock import FakeClock
 from stallwatch.probes import outputs as outputs_mod
 from stallwatch.probes.base import DeadlineRunner, ProbeStatus
 from stallwatch.probes.outputs import OutputsObs, OutputsProbe, OutputsStatus, fs_type, is_network_fs
-from stallwatch.roots import Roots
+from stallwatch.kernel.roots import Roots
 
 
 @pytest.fixture

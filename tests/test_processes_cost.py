@@ -19,8 +19,8 @@ from rigs import (FakeProc, frozen_ext4, root, spawned,  # noqa: F401 (root is a
 from stallwatch.clock import FakeClock
 from stallwatch.probes import processes as processes_mod
 from stallwatch.probes.processes import ProcessesProbe, ThreadObs
-from stallwatch.roots import Roots
-from stallwatch.targets import Target
+from stallwatch.kernel.roots import Roots
+from stallwatch.probes.targets import Target
 
 # A process with 8 idle threads and one worker that waits on an event, then does argv[1]:
 # "pipe" (blocks in read on a pipe: S again, another syscall), "spin" (busy until a file
@@ -230,8 +230,8 @@ def test_a_thread_replaced_under_an_unchanged_count_is_seen_and_its_files_closed
 def test_kept_files_stay_within_their_budget_and_fail_like_reads(tmp_path):
     import threading
 
-    from stallwatch.probes.procfiles import FD_FLOOR, ProcFiles
-    from stallwatch.roots import Absent
+    from stallwatch.kernel.procfiles import FD_FLOOR, ProcFiles
+    from stallwatch.kernel.roots import Absent
 
     stop = threading.Event()
     t = threading.Thread(target=stop.wait)

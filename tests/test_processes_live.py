@@ -19,7 +19,7 @@ from rigs import (FakeProc, frozen_ext4, loop_ext4, root,  # noqa: F401 (root is
 
 from stallwatch.clock import FakeClock
 from stallwatch.probes.processes import ProcessesObs, ProcessesProbe
-from stallwatch.targets import Target
+from stallwatch.probes.targets import Target
 
 
 def only(obs: ProcessesObs, pid: int):
@@ -347,8 +347,8 @@ def test_serialises_to_json_and_back(fake):
 
 def test_a_socket_table_longer_than_a_page_is_read_whole():
     # One read(2) of a seq file returns about a page; Roots must keep reading to EOF.
-    from stallwatch import procfs
-    from stallwatch.roots import Roots
+    from stallwatch.kernel import procfs
+    from stallwatch.kernel.roots import Roots
 
     listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(60)]
     try:
@@ -365,7 +365,7 @@ DENIED = r"""
 import sys
 import time
 from stallwatch.probes.processes import ProcessesProbe
-from stallwatch.targets import Target
+from stallwatch.probes.targets import Target
 print(ProcessesProbe(Target(pids=(int(sys.argv[1]),))).collect().model_dump_json())
 """
 

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from stallwatch import procfs
+from stallwatch.kernel import procfs
 from stallwatch.probes.processes import ProcessesProbe
-from stallwatch.roots import Roots
-from stallwatch.syscalls_aarch64 import SYSCALLS as AARCH64
-from stallwatch.syscalls_x86_64 import SYSCALLS as X86_64
-from stallwatch.targets import Target
+from stallwatch.kernel.roots import Roots
+from stallwatch.kernel.syscalls_aarch64 import SYSCALLS as AARCH64
+from stallwatch.kernel.syscalls_x86_64 import SYSCALLS as X86_64
+from stallwatch.probes.targets import Target
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PROC = FIXTURES / "proc"
@@ -284,7 +284,7 @@ def test_malformed_lines_found_by_fuzzing_are_value_errors():
     ValueError into an unreadable field)."""
     import pytest as _pytest
 
-    from stallwatch import procfs as _procfs
+    from stallwatch.kernel import procfs as _procfs
 
     with _pytest.raises(ValueError):
         _procfs.parse_btime("btime \n")

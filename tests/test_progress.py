@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from stallwatch.progress import (
+from stallwatch.probes.text.progress import (
     ProgressEvent, ProgressParser, TracebackTracker, clean_line, compile_progress_regex,
     exception_line, fatal_kind, is_traceback_start, parse_fraction, parse_progress, parse_tqdm,
 )
@@ -305,7 +305,7 @@ def test_fatal_kinds(line, kind):
 
 
 def test_every_fatal_kind_is_tested():
-    from stallwatch.progress import _FATAL
+    from stallwatch.probes.text.progress import _FATAL
 
     tested = {k for _, k in test_fatal_kinds.pytestmark[0].args[1]}
     assert tested == {k for k, _ in _FATAL}
@@ -335,7 +335,7 @@ def test_counters_too_big_for_a_float_are_not_progress():
     400 digits too. Neither is a counter: no event, rather than an infinite one."""
     import re as _re
 
-    from stallwatch.progress import parse_regex, parse_tqdm
+    from stallwatch.probes.text.progress import parse_regex, parse_tqdm
 
     assert parse_regex("10e308", _re.compile(r"(?P<done>[\d.e+-]+)")) is None
     assert parse_tqdm("x: 10%|#| " + "9" * 400 + "/" + "9" * 401 + " [00:01<00:02, 1.00it/s]") is None

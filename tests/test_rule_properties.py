@@ -40,13 +40,13 @@ from hypothesis import HealthCheck, Phase, assume, event, given, note, settings
 from hypothesis import strategies as st
 
 from stallwatch.clock import FakeClock
-from stallwatch.diagnose import load
+from stallwatch.engine.diagnose import load
 from stallwatch.engine import Evaluator
-from stallwatch.features import CADENCE_MIN_SAMPLES, STALL_FLOOR_S, features
+from stallwatch.engine.features import CADENCE_MIN_SAMPLES, STALL_FLOOR_S, features
 from stallwatch.probes.logs import LogProbe
 from stallwatch.probes.processes import IoObs, ProcessesObs, ProcessObs, ThreadObs
-from stallwatch.snapshot import Snapshot
-from stallwatch.targets import Target
+from stallwatch.probes.snapshot import Snapshot
+from stallwatch.probes.targets import Target
 
 STALL_KINDS = {"hang", "io_stall", "server_hang"}
 PID = 4242

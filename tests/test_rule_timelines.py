@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from stallwatch.diagnose import builtin_rule_paths, load, schema
+from stallwatch.engine.diagnose import builtin_rule_paths, load, schema
 from stallwatch.engine import Rule, run_test_file
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import pyte
 import pytest
 
-from stallwatch.history import from_docs, sparkline_text, sparklines
+from stallwatch.engine.history import from_docs, sparkline_text, sparklines
 from test_alerts_http import SLACK_PATH, receiver_factory  # noqa: F401 - a fixture
 from test_daemon_live import fast_rules, scan_writers
 

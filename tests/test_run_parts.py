@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from stallwatch.config import parse_config
+from stallwatch.daemon.config import parse_config
 from stallwatch.errors import UsageError
-from stallwatch.history import (BARS, NO_DATA, History, Sample, buckets, from_docs, series,
+from stallwatch.engine.history import (BARS, NO_DATA, History, Sample, buckets, from_docs, series,
                                 spark, sparkline_text, sparklines)
-from stallwatch.live import footer_text, plain_line
-from stallwatch.oneliner import OneLiner, alert_table, job_name, to_toml
+from stallwatch.commands.live import footer_text, plain_line
+from stallwatch.commands.oneliner import OneLiner, alert_table, job_name, to_toml
 
 
 # ------------------------------------------------------------------------------------ history
@@ -146,7 +146,7 @@ def test_footer_rows_fit_the_width_and_show_each_rank() -> None:
 def test_rank_bars_get_a_rate_and_eta_from_what_the_view_saw() -> None:
     from types import SimpleNamespace
 
-    from stallwatch.live import Pace, job_view
+    from stallwatch.commands.live import Pace, job_view
 
     pace = Pace(window_s=30.0)
 
@@ -177,7 +177,7 @@ def test_a_recorded_h200_stop_drawn_from_its_trace() -> None:
     """The trace recorded on an H200 (tests/data/gpu_h200_stop_kill.jsonl): the job ran at full
     GPU, then its progress stopped while the GPU went idle, then it was killed and the memory
     freed. Drawn from the trace with the function the daemon samples its ticks with."""
-    from stallwatch.history import samples_from_trace
+    from stallwatch.engine.history import samples_from_trace
 
     rows = {r["key"]: r for r in sparklines(
         samples_from_trace(Path(__file__).parent / "data" / "gpu_h200_stop_kill.jsonl"),
@@ -195,7 +195,7 @@ def test_desktop_and_slack_render_the_sparklines() -> None:
     from stallwatch.alerts.config import DesktopConfig
     from stallwatch.alerts.desktop import render
     from stallwatch.alerts.slack import slack_message
-    from stallwatch.events import AlertEvent
+    from stallwatch.alerts.events import AlertEvent
 
     text = "progress ██▁▁ 0/s (max 4/s)\nCPU      ▁▁▁▁ 0 cores (max 0 cores)\n(the last 4 s, oldest on the left)"
     ev = AlertEvent(job="x", kind="hang", state="firing", summary="stuck <here>", sparklines=text)
@@ -208,7 +208,7 @@ def test_desktop_and_slack_render_the_sparklines() -> None:
 
 
 def test_the_invokers_environment_passes_but_not_secrets_nor_to_another_user(tmp_path: Path) -> None:
-    from stallwatch.runcmd import with_invoker_env
+    from stallwatch.commands.runcmd import with_invoker_env
 
     text = to_toml(OneLiner(name="a", state_dir=tmp_path, command=["true"],
                             alerts=[{"type": "slack", "url_env": "MY_HOOK"}]).tables())
@@ -222,7 +222,7 @@ def test_the_invokers_environment_passes_but_not_secrets_nor_to_another_user(tmp
 
 def test_a_command_option_is_split_as_a_shell_would_and_refused_when_empty_or_unbalanced() -> None:
     from stallwatch.errors import UsageError
-    from stallwatch.oneliner import alert_table, split_command
+    from stallwatch.commands.oneliner import alert_table, split_command
 
     assert split_command("--restart-command", "python x.py --out '/data/a b'") == [
         "python", "x.py", "--out", "/data/a b"]

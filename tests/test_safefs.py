@@ -1,4 +1,4 @@
-"""stallwatch.safefs: the file layer for the job user's side of the trust boundary."""
+"""stallwatch.kernel.safefs: the file layer for the job user's side of the trust boundary."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from stallwatch import safefs
+from stallwatch.kernel import safefs
 
 
 def test_a_symlink_in_a_users_directory_is_never_followed(tmp_path: Path) -> None:
@@ -85,7 +85,7 @@ def _walk_as_nobody(top: Path) -> None:
     (top / "home").mkdir(parents=True)
     top.chmod(0o711)
     os.chown(top / "home", 65534, 65534)
-    code = ("import os, sys; from stallwatch import safefs; "
+    code = ("import os, sys; from stallwatch.kernel import safefs; "
             f"fd = safefs.open_file({str(top / 'home' / 'log')!r}, os.O_WRONLY | os.O_CREAT); "
             "os.write(fd, b'ok')")
     python = shutil.which("python3", path="/usr/bin:/bin") or sys.executable

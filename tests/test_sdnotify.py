@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from stallwatch.sdnotify import Notifier, notify
+from stallwatch.daemon.sdnotify import Notifier, notify
 
 
 @pytest.fixture

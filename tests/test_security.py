@@ -24,12 +24,12 @@ from pathlib import Path
 import pytest
 from test_daemon_live import WRITER, wait_for
 
-from stallwatch.config import load_config
+from stallwatch.daemon.config import load_config
 from stallwatch.engine import load_rules
 from stallwatch.engine.expr import ExprError, ExprEvalError, compile_expr
 from stallwatch.engine.rulefile import RuleLoadError
 from stallwatch.errors import UsageError
-from stallwatch.state import StateDB
+from stallwatch.daemon.state import StateDB
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "stallwatch"
@@ -122,7 +122,7 @@ def test_rule_expressions_cannot_reach_outside_their_variables(template: str, tm
         pass
     else:
         from stallwatch.engine import Evaluator
-        from stallwatch.features import features  # noqa: F401 - the real variable schema
+        from stallwatch.engine.features import features  # noqa: F401 - the real variable schema
         Evaluator(rs)  # building it compiles every expression; evaluating is tested above
     assert not sentinel.exists()
 

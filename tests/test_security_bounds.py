@@ -77,7 +77,7 @@ def _scrape(port: int, timeout: float = 10.0) -> tuple[int, str]:
 
 @pytest.fixture()
 def exporter():
-    from stallwatch.metrics import DaemonView, JobView, MetricsExporter
+    from stallwatch.daemon.metrics import DaemonView, JobView, MetricsExporter
 
     e = MetricsExporter("127.0.0.1:0").start()
     e.update([JobView(name="victim", kind="healthy")], DaemonView(version="t"))
@@ -109,7 +109,7 @@ def test_idle_connections_hold_no_thread_and_never_crowd_out_a_scrape(exporter) 
 def test_a_trickled_request_is_cut_off_after_the_read_timeout() -> None:
     from prometheus_client import CollectorRegistry, make_wsgi_app
 
-    from stallwatch.metrics_http import MetricsServer
+    from stallwatch.daemon.metrics_http import MetricsServer
 
     srv = MetricsServer("127.0.0.1", 0, make_wsgi_app(CollectorRegistry()),
                         read_timeout_s=0.5).start()
@@ -139,11 +139,11 @@ def test_a_trickled_request_is_cut_off_after_the_read_timeout() -> None:
 
 
 def test_an_output_name_that_is_not_utf8_is_judged_with_every_rule(tmp_path) -> None:
-    from stallwatch import diagnose
-    from stallwatch.collector import Collector
+    from stallwatch.engine import diagnose
+    from stallwatch.probes.collector import Collector
     from stallwatch.engine import Evaluator
-    from stallwatch.features import features
-    from stallwatch.targets import Target
+    from stallwatch.engine.features import features
+    from stallwatch.probes.targets import Target
 
     out = tmp_path / "out"
     out.mkdir()
@@ -166,7 +166,7 @@ def test_an_output_name_that_is_not_utf8_is_judged_with_every_rule(tmp_path) -> 
 
 
 def test_variables_cel_refuses_are_an_evaluation_error_not_an_exception() -> None:
-    from stallwatch import diagnose
+    from stallwatch.engine import diagnose
     from stallwatch.engine import Evaluator
 
     ev = Evaluator(diagnose.load(None)).evaluate({"job": {"x": object()}}, 1.0)
@@ -304,7 +304,7 @@ def test_status_shows_the_watch_warnings_as_text(tmp_path) -> None:
     from rich.console import Console
 
     from stallwatch.daemon.status import render_status, status_doc
-    from stallwatch.state import StateDB
+    from stallwatch.daemon.state import StateDB
 
     db = StateDB.open(tmp_path / "state")
     try:

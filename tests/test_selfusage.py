@@ -1,4 +1,4 @@
-"""The daemon's own footprint (stallwatch/selfusage.py, psutil) and its `stallwatch_daemon_*`
+"""The daemon's own footprint (stallwatch/daemon/selfusage.py, psutil) and its `stallwatch_daemon_*`
 series: each number moves when the process really does what it counts."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from stallwatch.metrics import DaemonStats, MetricsExporter
-from stallwatch.selfusage import SelfUsage, read_self_usage
+from stallwatch.daemon.metrics import DaemonStats, MetricsExporter
+from stallwatch.daemon.selfusage import SelfUsage, read_self_usage
 
 
 def _samples(text: str) -> dict[str, float]:

@@ -14,7 +14,7 @@ The verdicts are what upstream behaviour implies (docs/upstream.md §3):
 | one long batch on a healthy server (health 503) | healthy (working), never server_hang | the same |
 
 Short thresholds make it fast: a 20 s hard watchdog, a 3 s health budget, and the stall floor and
-activity window of stallwatch.features lowered to 4 s. All ten scenarios run at once; every wait
+activity window of stallwatch.engine.features lowered to 4 s. All ten scenarios run at once; every wait
 is on an observation with a deadline.
 """
 
@@ -33,13 +33,13 @@ from pathlib import Path
 
 import pytest
 
-from stallwatch import diagnose as dg
-from stallwatch import features as feat
-from stallwatch.collector import Collector
+from stallwatch.engine import diagnose as dg
+from stallwatch.engine import features as feat
+from stallwatch.probes.collector import Collector
 from stallwatch.engine import Evaluator
 from stallwatch.sglang.launch import launch_server
 from stallwatch.sglang.procutil import set_pdeathsig
-from stallwatch.targets import Target
+from stallwatch.probes.targets import Target
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux process states")
 

@@ -13,7 +13,7 @@ import pytest
 from stallwatch.clock import FakeClock
 from stallwatch.probes.server_log import ServerLogProbe, stdio_log
 from stallwatch.probes.processes import OpenFileObs
-from stallwatch.serverfate import _deadline, server_busy
+from stallwatch.engine.serverfate import _deadline, server_busy
 from stallwatch.sglang.serverlog import LogState, down_cause, parse_line
 
 CRASHED = ("[2026-08-10 09:47:36] Subprocess scheduler_0 (pid=3417555) crashed with exit code -3. "
@@ -142,7 +142,7 @@ def test_server_busy(ranks, blocked, running, busy) -> None:
 
 
 def test_config_server_log_is_a_path_relative_to_the_config(tmp_path) -> None:
-    from stallwatch.config import parse_config
+    from stallwatch.daemon.config import parse_config
 
     cfg = parse_config('[[job]]\nname = "x"\nmatch = "extract"\nserver = "http://127.0.0.1:30000"\n'
                        'server_log = "logs/sglang.log"\n', base=tmp_path)

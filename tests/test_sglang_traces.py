@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from stallwatch.replay import evaluate_trace
-from stallwatch.snapshot import Snapshot
-from stallwatch.trace import read_trace
+from stallwatch.commands.replay import evaluate_trace
+from stallwatch.probes.snapshot import Snapshot
+from stallwatch.probes.trace import read_trace
 
 DATA = Path(__file__).parent / "data" / "sglang"
 

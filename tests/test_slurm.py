@@ -1,4 +1,4 @@
-"""Slurm ending an allocation is not a crash (stallwatch.slurm, `[[job]] slurm_job_id`): the
+"""Slurm ending an allocation is not a crash (stallwatch.daemon.slurm, `[[job]] slurm_job_id`): the
 scontrol parser on a real capture, the query through a real executable, and the daemon (in a
 thread) with a job killed by SIGTERM while "Slurm" says the job is ending, says it is running,
 or does not answer. The real Slurm is in tests/test_slurm_e2e.py."""
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from stallwatch.config import parse_config
+from stallwatch.daemon.config import parse_config
 from stallwatch.daemon.core import Daemon
 from stallwatch.daemon.toolkit import Toolkit
 from stallwatch.errors import UsageError
-from stallwatch.slurm import ended_by_slurm, job_state, parse_job_state
-from stallwatch.state import StateDB
+from stallwatch.daemon.slurm import ended_by_slurm, job_state, parse_job_state
+from stallwatch.daemon.state import StateDB
 
 # `scontrol -o show job 3` right after `scancel 3` (slurm-wlm 22.05.8, Debian bookworm)
 SCANCELLED = (
@@ -172,7 +172,7 @@ def test_node_script_passes_the_task_environment_on_but_not_stallwatch_settings(
     import os
     import subprocess
 
-    from stallwatch.config import load_config
+    from stallwatch.daemon.config import load_config
 
     script = Path(__file__).resolve().parent.parent / "deploy" / "slurm" / "stallwatch-node.sh"
     env = dict(os.environ, SLURM_JOB_ID="4242", SLURM_NODEID="1", SLURM_JOB_NUM_NODES="2",

@@ -20,9 +20,9 @@ import pytest
 pytest.importorskip("torch", reason="needs torch (pip install -e '.[test]' installs it)")
 pytest.importorskip("tqdm", reason="needs tqdm (a test dependency)")
 
-from stallwatch.discover import _answers_model_info, find_pipeline  # noqa: E402
+from stallwatch.probes.discover import _answers_model_info, find_pipeline  # noqa: E402
 from stallwatch.probes.gpu import GpuDeviceObs, GpuObs, GpuProcessObs  # noqa: E402
-from stallwatch.targets import Target  # noqa: E402
+from stallwatch.probes.targets import Target  # noqa: E402
 from test_specforge_live import children, kill_tree, torchrun, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.slow

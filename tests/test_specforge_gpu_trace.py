@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from stallwatch.features import features
-from stallwatch.replay import evaluate_trace
-from stallwatch.snapshot import Snapshot
-from stallwatch.trace import read_trace
+from stallwatch.engine.features import features
+from stallwatch.commands.replay import evaluate_trace
+from stallwatch.probes.snapshot import Snapshot
+from stallwatch.probes.trace import read_trace
 
 DATA = Path(__file__).parent / "data" / "specforge"
 TRACE = DATA / "specforge_h200.jsonl.gz"

@@ -4,7 +4,7 @@ watched by the real recorder, judged by the default rules on replay (issue 14).
 For each fault: the right verdict within 30 s of the job's last progress, the culprit rank's pid
 in the verdict's summary or evidence, never a `server_*` verdict, never `finished` while the job
 is alive. The scenarios run together (each mostly waits for its stall to age); each records a
-trace of its own with `stallwatch record` and is evaluated with stallwatch.replay.
+trace of its own with `stallwatch record` and is evaluated with stallwatch.commands.replay.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import rigs
 pytest.importorskip("torch", reason="needs torch (pip install -e '.[test]' installs it)")
 pytest.importorskip("tqdm", reason="needs tqdm (a test dependency)")
 
-from stallwatch.features import features  # noqa: E402
-from stallwatch.replay import evaluate_trace  # noqa: E402
-from stallwatch.snapshot import Snapshot  # noqa: E402
-from stallwatch.trace import read_trace  # noqa: E402
+from stallwatch.engine.features import features  # noqa: E402
+from stallwatch.commands.replay import evaluate_trace  # noqa: E402
+from stallwatch.probes.snapshot import Snapshot  # noqa: E402
+from stallwatch.probes.trace import read_trace  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

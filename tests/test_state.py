@@ -16,7 +16,7 @@ import pytest
 from stallwatch.daemon.job import reconcile_intents
 from stallwatch.daemon.supervise import identity_alive, read_status
 from stallwatch.errors import UsageError
-from stallwatch.state import StateDB
+from stallwatch.daemon.state import StateDB
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,7 +99,7 @@ def test_transaction_rolls_back_as_a_whole(tmp_path: Path) -> None:
 CHILD = textwrap.dedent("""
     import json, os, signal, sys
     from pathlib import Path
-    from stallwatch.state import StateDB
+    from stallwatch.daemon.state import StateDB
     from stallwatch.daemon.supervise import spawn
     state, where, attempt = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     db = StateDB.open(state)

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from rigs import spawned, wait_for_state, wait_until
 
-from stallwatch.collector import Collector
-from stallwatch.diagnose import load
+from stallwatch.probes.collector import Collector
+from stallwatch.engine.diagnose import load
 from stallwatch.engine import Evaluator
-from stallwatch.features import features
-from stallwatch.targets import Target
+from stallwatch.engine.features import features
+from stallwatch.probes.targets import Target
 
 JOB = Path(__file__).resolve().parent / "jobs" / "paced.py"
 

@@ -1,4 +1,4 @@
-"""Log-line timestamps (stallwatch/timestamps.py), the pace the log probe learns from them at first
+"""Log-line timestamps (stallwatch/probes/text/timestamps.py), the pace the log probe learns from them at first
 sight, the words features() gives it, and the run-queue tracker (probes/runqueue.py). Pure or on
 tmp_path files with a FakeClock: no sleeps."""
 
@@ -12,15 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stallwatch.clock import FakeClock
-from stallwatch.diagnose import load
+from stallwatch.engine.diagnose import load
 from stallwatch.engine import Evaluator
-from stallwatch.features import features, stall_threshold_s
+from stallwatch.engine.features import features, stall_threshold_s
 from stallwatch.probes.logs import LogProbe
 from stallwatch.probes.processes import ProcessesProbe
 from stallwatch.probes.runqueue import RunQueueTracker
-from stallwatch.snapshot import Snapshot
-from stallwatch.targets import Target
-from stallwatch.timestamps import LineTime, gap_s, line_time
+from stallwatch.probes.snapshot import Snapshot
+from stallwatch.probes.targets import Target
+from stallwatch.probes.text.timestamps import LineTime, gap_s, line_time
 
 # ---------------------------------------------------------------------------------- parsing
 

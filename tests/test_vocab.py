@@ -22,7 +22,7 @@ def test_the_vocabulary_module_depends_on_nothing_of_stallwatch() -> None:
 
 
 def test_the_verdict_vocabulary_is_spelled_once() -> None:
-    from stallwatch import metrics
+    from stallwatch.daemon import metrics
     from stallwatch.alerts import config as alerts_config
     from stallwatch.engine import rulefile
 

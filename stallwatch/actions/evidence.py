@@ -55,7 +55,7 @@ from stallwatch.clock import SYSTEM_CLOCK, Clock
 
 if TYPE_CHECKING:  # only read here, never built: keeps `import stallwatch.actions` light
     from stallwatch.engine.alerting import Verdict
-    from stallwatch.snapshot import Snapshot
+    from stallwatch.probes.snapshot import Snapshot
 
 __all__ = ["capture_evidence", "find_py_spy", "is_python_process"]
 
@@ -397,7 +397,7 @@ def _readme(bundle: _Bundle, snap: Snapshot | None, verdict: Verdict | None, clo
 
 
 def _sparklines_txt(history: list[dict[str, Any]]) -> str:
-    from stallwatch.history import from_docs, sparkline_text, sparklines
+    from stallwatch.engine.history import from_docs, sparkline_text, sparklines
 
     return sparkline_text(sparklines(from_docs(history))) + "\n"
 

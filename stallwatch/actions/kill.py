@@ -48,10 +48,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Callable, Iterable, Literal
 
-from stallwatch import procfs
+from stallwatch.kernel import procfs
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.model import Frozen
-from stallwatch.roots import DEFAULT_ROOTS, Absent, Denied, Roots
+from stallwatch.kernel.roots import DEFAULT_ROOTS, Absent, Denied, Roots
 
 __all__ = [
     "KillOperation", "KillReport", "KillState", "Refusal", "SignalRecord", "Survivor",

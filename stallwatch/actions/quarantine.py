@@ -1,7 +1,7 @@
 """Move a broken output aside: never overwriting, never deleting, never through a link.
 
 Everything here is on the job user's side of the trust boundary (docs/security.md): the
-outputs tree is resolved once into directory fds (stallwatch.safefs) and every stat, open,
+outputs tree is resolved once into directory fds (stallwatch.kernel.safefs) and every stat, open,
 link, copy and unlink is relative to them, never by path again. A directory swapped for a
 symlink after the walk, timed with inotify, then leads nowhere: a name that became a symlink,
 a device node or another file is refused by O_NOFOLLOW, fstat and the (st_dev, st_ino)
@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from stallwatch import safefs
+from stallwatch.kernel import safefs
 
 __all__ = ["ASIDE_SUFFIX", "QUARANTINE_FULL", "move_at", "quarantine_file"]
 
@@ -115,7 +115,7 @@ def move_at(src_dfd: int, name: str, src_fd: int, dst_dfd: int, dst_name: str) -
 def quarantine_file(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
     """Move src to dst, or to dst.1, dst.2 ... when taken; returns where it went (see
     move_at). Neither path's directories are followed through a link another user could
-    have made (stallwatch.safefs); dst's are created 0700."""
+    have made (stallwatch.kernel.safefs); dst's are created 0700."""
     src, dst = Path(src), Path(dst)
     sdfd = safefs.open_dir(src.parent)
     try:

@@ -18,7 +18,7 @@ import stat as _stat
 from pathlib import Path
 from typing import Callable, Collection, Iterable, NamedTuple
 
-from stallwatch import safefs
+from stallwatch.kernel import safefs
 from stallwatch.actions.filecheck import CRC_MAX_BYTES, FileCheck, validate_file
 from stallwatch.actions.quarantine import ASIDE_SUFFIX, QUARANTINE_FULL, move_at
 from stallwatch.clock import SYSTEM_CLOCK, Clock

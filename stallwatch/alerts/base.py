@@ -10,7 +10,7 @@ import time
 from typing import Any, Mapping
 
 from stallwatch import __version__
-from stallwatch.events import AlertEvent, EvidenceLine, ProgressInfo
+from stallwatch.alerts.events import AlertEvent, EvidenceLine, ProgressInfo
 
 from .redact import redact
 

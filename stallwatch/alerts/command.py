@@ -18,7 +18,7 @@ import subprocess
 from typing import Any
 
 from stallwatch import __version__
-from stallwatch.events import AlertEvent
+from stallwatch.alerts.events import AlertEvent
 
 from .base import PermanentError, RetryableError, Sink, fmt_progress, title, webhook_payload
 from .config import CommandConfig

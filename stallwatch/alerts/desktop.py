@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from stallwatch.events import AlertEvent
+from stallwatch.alerts.events import AlertEvent
 
 from .base import (PermanentError, RetryableError, Sink, fmt_duration, fmt_progress,
                    incident_age, strongest_evidence, title)
@@ -246,11 +246,11 @@ class Spool:
 
         The directory is on the user's side once it is theirs, and a spool_dir set outside
         the state directory may lie in a place the user can write: so it is resolved without
-        following a link another user could have made (stallwatch.safefs), created and handed
+        following a link another user could have made (stallwatch.kernel.safefs), created and handed
         over by fchownat without following a link, and every file in it is created relative to
         its fd. A spool made a symlink to /var/lib/stallwatch/runs is refused, never chowned
         (docs/security.md #3)."""
-        from stallwatch import safefs
+        from stallwatch.kernel import safefs
 
         if not self._ready:
             parent = self.dir.parent
@@ -309,7 +309,7 @@ class Spool:
         return None
 
     def put(self, doc: dict[str, Any]) -> Path:
-        from stallwatch import safefs
+        from stallwatch.kernel import safefs
 
         try:
             dfd = self._open()

@@ -36,7 +36,7 @@ import time
 from typing import Any, Iterable
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
-from stallwatch.events import AlertEvent, EvidenceLine
+from stallwatch.alerts.events import AlertEvent, EvidenceLine
 
 from .base import BrokenSink, DeliveryError, RetryableError, Sink, fmt_time
 from .config import CommandConfig, DesktopConfig, SecretSourceError, SlackConfig, WebhookConfig

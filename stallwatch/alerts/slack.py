@@ -16,7 +16,7 @@ import logging
 from typing import Any
 
 from stallwatch import __version__
-from stallwatch.events import AlertEvent
+from stallwatch.alerts.events import AlertEvent
 
 from .base import (REPEAT_ICON, RESOLVED_ICON, SEVERITY_ICONS, TEST_ICON, PermanentError, Sink,
                    fmt_duration, fmt_progress, fmt_time, http_error, incident_age, kind_title,

@@ -13,7 +13,7 @@ import urllib.request
 from urllib.parse import urlsplit
 
 from stallwatch import __version__
-from stallwatch.events import AlertEvent
+from stallwatch.alerts.events import AlertEvent
 
 from .base import PermanentError, Sink, http_error, network_error, webhook_payload
 from .config import WebhookConfig

@@ -18,7 +18,7 @@ import logging
 from typing import Any
 
 from stallwatch.engine.alerting import Evaluator
-from stallwatch.state import StateDB
+from stallwatch.daemon.state import StateDB
 
 log = logging.getLogger("stallwatch.daemon")
 

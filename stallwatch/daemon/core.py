@@ -32,12 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
-from stallwatch.config import Config, JobConfig, load_config
+from stallwatch.daemon.config import Config, JobConfig, load_config
 from stallwatch.daemon.job import JobRunner
 from stallwatch.daemon.toolkit import Toolkit
 from stallwatch.errors import UsageError
-from stallwatch.sdnotify import Notifier
-from stallwatch.state import StateDB
+from stallwatch.daemon.sdnotify import Notifier
+from stallwatch.daemon.state import StateDB
 
 log = logging.getLogger("stallwatch.daemon")
 
@@ -183,7 +183,7 @@ class Daemon:
         self._lock_fd = fd
 
     def rules_for(self, job: JobConfig, config: Config | None = None):
-        from stallwatch import diagnose
+        from stallwatch.engine import diagnose
 
         paths = (config or self.config).rules_for(job)
         key = _rules_key(tuple(paths))
@@ -449,14 +449,14 @@ class Daemon:
     # -------------------------------------------------------------------------------- metrics
 
     def _start_metrics(self) -> None:
-        """Prometheus endpoint and/or node_exporter textfile: stallwatch.metrics (docs/fleet.md)."""
+        """Prometheus endpoint and/or node_exporter textfile: stallwatch.daemon.metrics (docs/fleet.md)."""
         d = self.config.daemon
         if not (d.metrics_listen or d.metrics_textfile):
             return
         try:
-            from stallwatch.metrics import DaemonMetrics
+            from stallwatch.daemon.metrics import DaemonMetrics
         except ImportError as e:
-            log.warning("metrics are configured but stallwatch.metrics cannot be loaded: %s", e)
+            log.warning("metrics are configured but stallwatch.daemon.metrics cannot be loaded: %s", e)
             return
         self._metrics = DaemonMetrics.from_config(d)
         if self._metrics is not None and d.metrics_listen:

@@ -29,8 +29,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stallwatch import safefs
-from stallwatch.config import JobConfig
+from stallwatch.kernel import safefs
+from stallwatch.daemon.config import JobConfig
 from stallwatch.daemon.alertmemory import AlertMemory
 from stallwatch.daemon.recovery import Recovery, candidates_from, run_in_thread
 from stallwatch.daemon.supervise import (SpawnError, find_wrapper, identity_alive,
@@ -39,8 +39,8 @@ from stallwatch.daemon.supervise import (SpawnError, find_wrapper, identity_aliv
 from stallwatch.daemon.watchwarn import WatchWarnings, job_uid, with_width_evidence
 from stallwatch.engine import Evaluator, RuleSet
 from stallwatch.engine.alerting import AlertState, Evaluation, Verdict
-from stallwatch.features import features
-from stallwatch.history import History, sample, sparkline_text, sparklines
+from stallwatch.engine.features import features
+from stallwatch.engine.history import History, sample, sparkline_text, sparklines
 from stallwatch.vocab import JobPhase, PROBLEM_KINDS, RESTART_KINDS, STALL_KINDS, TERMINAL_PHASES
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ class JobRunner:
         self.last_tick_s: float | None = None  # how long its previous tick took (the daemon's)
         self.next_due = 0.0  # monotonic; later than now after a tick over its deadline (core)
         self.overruns = 0  # ticks over the deadline in a row
-        # The last minutes as numbers (stallwatch.history): sparklines in the live view, alerts,
+        # The last minutes as numbers (stallwatch.engine.history): sparklines in the live view, alerts,
         # evidence and `status` (saved in the state database every HISTORY_SAVE_S).
         self.history = History()
         self._history_saved_at: float | None = None
@@ -208,7 +208,7 @@ class JobRunner:
     # ----------------------------------------------------------------------- the collector
 
     def _target(self, pids: tuple[int, ...] = ()):
-        from stallwatch.targets import Target
+        from stallwatch.probes.targets import Target
 
         run_as = None
         if self.cfg.log is not None:  # the default log is root's (state_dir/logs): no check
@@ -225,7 +225,7 @@ class JobRunner:
     def _ensure_collector(self, pids: tuple[int, ...] = ()) -> None:
         if self.collector is not None:
             return
-        from stallwatch.collector import Collector
+        from stallwatch.probes.collector import Collector
         from stallwatch.probes.kmsg import KernelLogProbe
 
         self.collector = Collector(self._target(pids), clock=self.clock,
@@ -778,7 +778,7 @@ class JobRunner:
         """True while the job's abnormal exit may be Slurm ending its allocation (the answer is
         pending), and once Slurm said so: then the job is stopped quietly, with no incident and
         no restart. scancel signals the job and stallwatch in no fixed order, so the exit may
-        reach a tick first; slurmctld marks the job before any signal is sent (stallwatch.slurm).
+        reach a tick first; slurmctld marks the job before any signal is sent (stallwatch.daemon.slurm).
         Asked once per run, off the tick, with a deadline."""
         jid = self.cfg.slurm_job_id
         run = self.run_row
@@ -796,7 +796,7 @@ class JobRunner:
         except Exception as e:  # noqa: BLE001 - no answer: judged as if there were no Slurm
             log.warning("job %s: cannot ask Slurm about job %s: %s", self.name, jid, e)
             state = None
-        from stallwatch.slurm import ended_by_slurm
+        from stallwatch.daemon.slurm import ended_by_slurm
 
         if not ended_by_slurm(state):
             return False
@@ -1012,7 +1012,7 @@ class JobRunner:
     # --------------------------------------------------------------------------------- alerts
 
     def emit_alert(self, incident_id: int, state: str, summary_override: str | None = None) -> None:
-        from stallwatch.events import AlertEvent, EvidenceLine, ProgressInfo
+        from stallwatch.alerts.events import AlertEvent, EvidenceLine, ProgressInfo
 
         inc = self.db.incident(incident_id)
         if inc is None:

@@ -14,7 +14,7 @@ only reads /proc and sends signals); evidence and validation touch the job's fil
 may be the very thing that is stuck, so they run in a worker thread and this machine only looks
 at their future (bounded waits, said so when exceeded). Backoff counts on the injected clock.
 
-Crash safety (stallwatch.state): the restart is an intent row before the spawn and is completed —
+Crash safety (stallwatch.daemon.state): the restart is an intent row before the spawn and is completed —
 with the restart counter — in one transaction after it; a daemon killed in between finds the
 intent on start-up and reconciles it with the processes that exist (see job.reconcile_intents).
 A daemon killed anywhere else in this machine resumes it from `kill` (identity-checked, so it

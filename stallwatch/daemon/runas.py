@@ -9,7 +9,7 @@ so the wrapper's (pid, start time) of its child is the job's identity.
 
 Without `--uid` (a job run as root, or one that drops privileges itself, e.g. through
 `setpriv`), the log is still opened as it would be by root anywhere on the user's side: no
-symlink followed (stallwatch.safefs), a regular file only, and not a file with a second hard
+symlink followed (stallwatch.kernel.safefs), a regular file only, and not a file with a second hard
 link (a link made to a file the user cannot read: `fs.protected_hardlinks` stops that, and this
 does too where the sysctl is off).
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import sys
 
-from stallwatch import safefs
+from stallwatch.kernel import safefs
 
 __all__ = ["runas_argv", "main"]
 

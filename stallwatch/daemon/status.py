@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from stallwatch.state import StateDB
+from stallwatch.daemon.state import StateDB
 
 _NAGIOS = {"healthy": 0, "finished": 0, "slow": 1, "unknown": 3}
 
@@ -210,10 +210,10 @@ def rules_line(rules: list[dict[str, str]]) -> str:
 
 
 def _sparklines(raw: str | None) -> str:
-    """The last minutes the daemon saved for this job (stallwatch.history), drawn; "" if none."""
+    """The last minutes the daemon saved for this job (stallwatch.engine.history), drawn; "" if none."""
     if not raw:
         return ""
-    from stallwatch.history import from_docs, sparkline_text, sparklines
+    from stallwatch.engine.history import from_docs, sparkline_text, sparklines
 
     try:
         docs = json.loads(raw)

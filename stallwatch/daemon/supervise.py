@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stallwatch import safefs
+from stallwatch.kernel import safefs
 from stallwatch.daemon.wrap import proc_comm, proc_state, start_ticks
 
 __all__ = ["Spawned", "SpawnError", "RunAs", "resolve_user", "job_environment", "spawn",

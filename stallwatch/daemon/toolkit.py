@@ -86,7 +86,7 @@ class Toolkit:
     def slurm_state(self, job_id: str) -> str | None:
         fn = self.slurm_job_state
         if fn is None:
-            from stallwatch.slurm import job_state
+            from stallwatch.daemon.slurm import job_state
 
             fn = job_state
         return fn(job_id)

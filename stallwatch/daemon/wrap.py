@@ -45,8 +45,8 @@ import subprocess
 import sys
 import time
 
-from stallwatch import procfs
-from stallwatch.roots import DEFAULT_ROOTS, Absent, Denied
+from stallwatch.kernel import procfs
+from stallwatch.kernel.roots import DEFAULT_ROOTS, Absent, Denied
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2, signal.SIGCONT)
@@ -134,7 +134,7 @@ def _parse(argv: list[str]) -> tuple[str, str, list[str], dict[str, str]]:
 def _admin_log(path: str) -> int:
     """The default log, in the state directory: root's side, opened here without following a
     link all the same."""
-    from stallwatch import safefs
+    from stallwatch.kernel import safefs
 
     return safefs.open_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
 

@@ -1,7 +1,7 @@
 """The generic rules engine: CEL conditions, rule files, alert state, timeline tests.
 
 It knows nothing about probes: it evaluates rules over whatever nested dict of variables the
-caller builds (stallwatch.features does that). The CLI needs only the two functions below.
+caller builds (stallwatch.engine.features does that). The CLI needs only the two functions below.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from stallwatch.clock import Clock, SYSTEM_CLOCK
 from stallwatch.model import Frozen
-from stallwatch.roots import Absent, Denied
+from stallwatch.kernel.roots import Absent, Denied
 
 
 class ProbeStatus(StrEnum):

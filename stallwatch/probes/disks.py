@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Callable, Literal
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
-from stallwatch.diskfs import (
+from stallwatch.kernel.diskfs import (
     SECTOR_BYTES, BlockDeviceRef, DiskStat, MountInfo, device_for_mount, mount_for_path,
     parse_diskstats, parse_mountinfo, path_in_filesystem,
 )
 from stallwatch.model import Frozen
 from stallwatch.probes.base import ProbeStatus, Workers
-from stallwatch.roots import Absent, Denied, Roots
+from stallwatch.kernel.roots import Absent, Denied, Roots
 
 SHM_PREFIXES = ("sgl_shm",)  # SGLang's leaked sgl_shm_mm_* segments filled /dev/shm (#40723)
 _SHM_LIST_LIMIT = 100_000  # a runaway leak must not turn one listing into a memory problem

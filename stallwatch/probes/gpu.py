@@ -25,7 +25,7 @@ from pydantic import Field
 
 from stallwatch.clock import Clock, SYSTEM_CLOCK
 from stallwatch.model import Frozen
-from stallwatch.nvml import LOST_REASONS, OK, Nvml, default_nvml, describe
+from stallwatch.kernel.nvml import LOST_REASONS, OK, Nvml, default_nvml, describe
 
 # ---------------------------------------------------------------------------------------------
 # Observations (written to JSONL traces and replayed: plain JSON types only)

@@ -16,10 +16,10 @@ from collections import Counter, deque
 from pathlib import Path
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
-from stallwatch.kmsgparse import KernelEvent, KernelEventParser, KmsgRecord, parse_record
+from stallwatch.kernel.kmsgparse import KernelEvent, KernelEventParser, KmsgRecord, parse_record
 from stallwatch.model import Frozen
 from stallwatch.probes.base import ProbeStatus
-from stallwatch.roots import Absent, Denied, Roots
+from stallwatch.kernel.roots import Absent, Denied, Roots
 
 _READ_SIZE = 16384  # above the kernel's record limit (CONSOLE_EXT_LOG_MAX, 8 KiB): no EINVAL
 

@@ -8,8 +8,8 @@ That scan touches every fd on the host, so it runs once and again only when the 
 
 from __future__ import annotations
 
-from stallwatch import procfs
-from stallwatch.roots import Absent, Denied, Roots
+from stallwatch.kernel import procfs
+from stallwatch.kernel.roots import Absent, Denied, Roots
 
 LISTEN = "LISTEN"
 
@@ -62,7 +62,7 @@ class ServerProcessesProbe:
 
     def collect(self):
         from stallwatch.probes.processes import ProcessesProbe
-        from stallwatch.targets import Target
+        from stallwatch.probes.targets import Target
 
         if self._probe is not None:
             obs = self._probe.collect()

@@ -15,9 +15,9 @@ import stat
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from stallwatch import safefs
-from stallwatch.bars import cursor_ups
-from stallwatch.progress import clean_line
+from stallwatch.kernel import safefs
+from stallwatch.probes.text.bars import cursor_ups
+from stallwatch.probes.text.progress import clean_line
 
 
 _SEP = re.compile(rb"[\r\n]")  # tqdm redraws with \r: every redraw is a line of its own

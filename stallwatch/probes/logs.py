@@ -1,7 +1,7 @@
 """The log probe: follow one log file and say how the job's progress moves.
 
 `LogFollower` (probes/logfollow.py) turns the growing file into lines at a cost that depends on
-the new bytes only. `LogProbe` feeds the lines to the pure parsers in stallwatch.progress and
+the new bytes only. `LogProbe` feeds the lines to the pure parsers in stallwatch.probes.text.progress and
 keeps the learned state (last progress, when `done` last changed, the job's cadence, rates, the
 tail, the last traceback), all timed with the injected clock.
 
@@ -15,15 +15,15 @@ import statistics
 from collections import deque
 from typing import Literal
 
-from stallwatch.bars import BarSet, MultiBars
+from stallwatch.probes.text.bars import BarSet, MultiBars
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.model import Frozen
 from stallwatch.probes.logfollow import FollowResult, LogFollower, LogStatus
-from stallwatch.torchrun import RootCause, RootCauseTracker
-from stallwatch.progress import (
+from stallwatch.probes.torchrun import RootCause, RootCauseTracker
+from stallwatch.probes.text.progress import (
     ProgressEvent, ProgressParser, Traceback, TracebackTracker, fatal_kind, parse_tqdm,
 )
-from stallwatch.timestamps import LineTime, gap_s, line_time
+from stallwatch.probes.text.timestamps import LineTime, gap_s, line_time
 
 
 class Cadence(Frozen):

@@ -47,7 +47,7 @@ from typing import Literal
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.model import Frozen
 from stallwatch.probes.inotify import InotifyWatch
-from stallwatch.roots import DEFAULT_ROOTS, Roots
+from stallwatch.kernel.roots import DEFAULT_ROOTS, Roots
 
 RECONCILE_SLICE_ENTRIES = 400  # ~1.5 ms a tick here (10^6-file bench, docs/performance.md)
 RACY_NS = 2_000_000_000  # FAT has 2 s mtimes; ext4/xfs are finer, NFS depends on the server

@@ -27,12 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Literal, Mapping, Protocol, Sequence, TypeVar
 
-from stallwatch import procfs, torchrun
+from stallwatch.kernel import procfs
+
+from stallwatch.probes import torchrun
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.model import Frozen
-from stallwatch.probes.procfiles import ProcFiles
+from stallwatch.kernel.procfiles import ProcFiles
 from stallwatch.probes.runqueue import RunQueueObs, RunQueueTracker, schedstat_or_none
-from stallwatch.roots import DEFAULT_ROOTS, Absent, Denied, Roots
+from stallwatch.kernel.roots import DEFAULT_ROOTS, Absent, Denied, Roots
 
 T = TypeVar("T")
 Role = Literal["target", "descendant"]
@@ -49,7 +51,7 @@ FD_SYSCALLS = frozenset({
 
 
 class TargetSpec(Protocol):
-    """What the probe needs of stallwatch.targets.Target."""
+    """What the probe needs of stallwatch.probes.targets.Target."""
 
     pids: Sequence[int]
     match: str | None
@@ -149,7 +151,7 @@ class ProcessObs(Frozen):
     exit_code: int | None = None  # a zombie's returncode (negative: signal), when readable
     threads: tuple[ThreadObs, ...] = ()
     threads_truncated: bool = False
-    # torchrun (stallwatch.torchrun): the agent, and a worker's rank from its environment
+    # torchrun (stallwatch.probes.torchrun): the agent, and a worker's rank from its environment
     launcher: bool = False
     rank: torchrun.RankInfo | None = None
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stallwatch.model import Frozen
-from stallwatch.procfs import parse_schedstat
+from stallwatch.kernel.procfs import parse_schedstat
 
 
 class RunQueueObs(Frozen):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The SpecForge-shaped torchrun test job: stallwatch/specforge_job.py (shipped with stallwatch so
+"""The SpecForge-shaped torchrun test job: stallwatch/commands/specforge_job.py (shipped with stallwatch so
 that `stallwatch demo --pipeline torchrun` can run it). Its docstring has the fault hooks:
 
     torchrun --nproc_per_node 3 tests/jobs/specforge_job.py --output-path /tmp/hs > job.log 2>&1
@@ -7,7 +7,7 @@ that `stallwatch demo --pipeline torchrun` can run it). Its docstring has the fa
 
 import sys
 
-from stallwatch.specforge_job import main
+from stallwatch.commands.specforge_job import main
 
 if __name__ == "__main__":
     sys.exit(main())

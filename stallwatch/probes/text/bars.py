@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass, field
 
 from stallwatch.model import Frozen
-from stallwatch.progress import ProgressEvent
+from stallwatch.probes.text.progress import ProgressEvent
 
 __all__ = ["BarObs", "BarSet", "MultiBars", "cursor_ups", "CLOSING_LINE"]
 

@@ -38,12 +38,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stallwatch import procfs, torchrun
+from stallwatch.kernel import procfs
+
+from stallwatch.probes import torchrun
 from stallwatch.errors import UsageError
 from stallwatch.probes.gpu import GpuProbe, gpu_pids
-from stallwatch.roots import DEFAULT_ROOTS, Absent, Denied, Roots
+from stallwatch.kernel.roots import DEFAULT_ROOTS, Absent, Denied, Roots
 from stallwatch.sglang.titles import SERVER_CMDLINE, SGLANG_TITLE
-from stallwatch.targets import Target
+from stallwatch.probes.targets import Target
 
 __all__ = ["discover", "find_pipeline", "Discovery", "SERVER_CMDLINE"]
 
@@ -195,7 +197,7 @@ class _Host:
         if os.path.basename(argv[0]) == "stallwatch":
             return True
         for i, a in enumerate(argv[:-1]):
-            if a == "-m" and argv[i + 1] in ("stallwatch", "stallwatch.cli", "stallwatch.daemon.wrap"):
+            if a == "-m" and argv[i + 1] in ("stallwatch", "stallwatch.commands.cli", "stallwatch.daemon.wrap"):
                 return True
         return False
 

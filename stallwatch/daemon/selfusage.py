@@ -4,7 +4,7 @@ Read with psutil, not by hand: these are facts about stallwatch's OWN process (t
 job's), wanted only when something asks (a scrape, a textfile write, `bench`), and psutil reads
 all four in one `oneshot()` (one `/proc/self/stat` + `statm` parse in C, the fd count by a
 directory listing) portably and well kept. The per-thread /proc hot path of the job stays
-hand-kept (`probes/procfiles.py`: descriptors kept open and re-read with `pread`, measured
+hand-kept (`kernel/procfiles.py`: descriptors kept open and re-read with `pread`, measured
 cheaper than psutil there, docs/performance.md, issue 17).
 
     usage = read_self_usage()          # SelfUsage(cpu_s=1.93, rss_bytes=55_812_096, ...)

@@ -9,12 +9,12 @@ from typing import Any, Iterable
 
 from pydantic import ValidationError
 
-from stallwatch import diagnose as dg
+from stallwatch.engine import diagnose as dg
 from stallwatch.engine import Evaluator
 from stallwatch.errors import UsageError
-from stallwatch.features import features
-from stallwatch.snapshot import Snapshot
-from stallwatch.trace import read_trace
+from stallwatch.engine.features import features
+from stallwatch.probes.snapshot import Snapshot
+from stallwatch.probes.trace import read_trace
 
 
 def evaluate_trace(path: Path, rules: Iterable[Path] | None = None) -> tuple[dict, list[dict[str, Any]], list[dict]]:

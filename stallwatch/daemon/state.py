@@ -41,7 +41,7 @@ from stallwatch.errors import UsageError
 DB_NAME = "stallwatch.db"
 SCHEMA_VERSION = 1
 
-log = logging.getLogger("stallwatch.state")
+log = logging.getLogger("stallwatch.daemon.state")
 
 # A write that fails with one of these is the file's trouble, not the statement's: the disk is
 # full, another process holds the write lock, the filesystem went read-only or failed.

@@ -56,7 +56,7 @@ FORWARD_DELAY_S = 0.4  # one forward per sample: ~0.4 s a sample, a ~1 s-cadence
 INTERVAL_S = 0.5
 DEADLINE_S = 240.0  # the whole demo; a healthy run takes about a minute
 
-log = logging.getLogger("stallwatch.demo")
+log = logging.getLogger("stallwatch.commands.demo")
 
 
 class DemoUnavailable(Exception):
@@ -358,7 +358,7 @@ class Demo:
 [[alert]]
 name = "terminal"
 type = "command"
-argv = {q([sys.executable, "-m", "stallwatch.demo", "--alert-sink", str(self.alerts_file)])}
+argv = {q([sys.executable, "-m", "stallwatch.commands.demo", "--alert-sink", str(self.alerts_file)])}
 """
         if session_bus_address() is not None:
             alerts += '\n[[alert]]\nname = "desktop"\ntype = "desktop"\n'
@@ -383,7 +383,7 @@ kill_grace_s = 3
 {alerts}"""
 
     def _start_daemon(self) -> None:
-        from stallwatch.config import parse_config
+        from stallwatch.daemon.config import parse_config
         from stallwatch.daemon.core import Daemon
 
         text = self.config_text()
@@ -405,7 +405,7 @@ kill_grace_s = 3
         self.daemon_thread.start()
         if not self.daemon.started.wait(60):
             raise RuntimeError("the daemon did not tick within 60 s (see daemon.log)")
-        from stallwatch.state import StateDB
+        from stallwatch.daemon.state import StateDB
 
         self.db = StateDB.open_readonly(self.state_dir)
         fault_words = self._fault_words() or {
@@ -933,7 +933,7 @@ def run_demo(fault: str = "hang", *, keep: bool = False, json_out: bool = False,
 
     console = Console(stderr=json_out)
     if pipeline == "torchrun":
-        from stallwatch.demo_torchrun import TorchrunDemo
+        from stallwatch.commands.demo_torchrun import TorchrunDemo
 
         demo: Demo = TorchrunDemo(fault, keep=keep, console=console)
     else:
@@ -968,6 +968,6 @@ def _alert_sink(path: str) -> int:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--alert-sink":
         sys.exit(_alert_sink(sys.argv[2]))
-    print("usage: python -m stallwatch.demo --alert-sink FILE (the demo's alert sink; run "
+    print("usage: python -m stallwatch.commands.demo --alert-sink FILE (the demo's alert sink; run "
           "`stallwatch demo` for the demo)", file=sys.stderr)
     sys.exit(3)

@@ -11,7 +11,7 @@ the terminal's width. One lock orders every write to the terminal.
 The pass-through reads the job's log (which the wrapper writes) from where it ended when the run
 began, rather than sitting in a pipe between the job and its log: the job never depends on
 stallwatch being alive to write its output, so a killed stallwatch never kills the job with
-SIGPIPE. The log is opened through stallwatch.safefs (no link followed on the way, a regular
+SIGPIPE. The log is opened through stallwatch.kernel.safefs (no link followed on the way, a regular
 file only) and, for a job run as another user, passed through only if that user could read it.
 
 Plain lines (no terminal): one line when the verdict or phase changes, and a progress line every
@@ -29,9 +29,9 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from stallwatch import safefs
-from stallwatch.features import human_bytes, human_s
-from stallwatch.history import sparklines
+from stallwatch.kernel import safefs
+from stallwatch.engine.features import human_bytes, human_s
+from stallwatch.engine.history import sparklines
 
 __all__ = ["Tee", "Footer", "PlainView", "job_view", "footer_text", "plain_line"]
 
@@ -122,7 +122,7 @@ class Tee:
 # ------------------------------------------------------------------------------- what is shown
 
 class Pace:
-    """Rate and ETA of each rank's bar. The log's bars (stallwatch.bars) carry done and total,
+    """Rate and ETA of each rank's bar. The log's bars (stallwatch.probes.text.bars) carry done and total,
     not a rate: the rate is done now against done `window_s` ago, as this view saw them."""
 
     def __init__(self, window_s: float = 30.0) -> None:

@@ -91,7 +91,7 @@ class DaemonConfig(_Strict):
     # longer is ticked less often and after the others (daemon/core.py), so a user who grows a
     # huge tree slows the watch of their own job, not another's.
     job_tick_deadline_s: float = 0.5
-    # The jobs in the foreground (`stallwatch run -- COMMAND` sets it; stallwatch.daemon.foreground):
+    # The jobs in the foreground (`stallwatch run -- COMMAND` sets it; stallwatch.commands.foreground):
     # exit with the job's status once every supervised job has ended, and pass SIGINT/SIGTERM to
     # the jobs. false (a service): those signals stop the daemon and leave the jobs running.
     exit_with_jobs: bool = False
@@ -115,7 +115,7 @@ class DaemonConfig(_Strict):
         if v is None:
             return self
         try:
-            from stallwatch.metrics import check_listen
+            from stallwatch.daemon.metrics import check_listen
         except ImportError:  # without the metrics module: the shape only
             host, sep, port = v.rpartition(":")
             if not port.isdigit() or not 0 <= int(port) < 65536:
@@ -168,7 +168,7 @@ class JobConfig(_Strict):
     rules: tuple[Path, ...] = ()  # this job's rules instead of the daemon's
     dry_run: bool | None = None  # None: the daemon's
     # The Slurm job this job runs inside (deploy/slurm/stallwatch-node.sh writes it): a death by
-    # signal while Slurm ends that allocation (scancel, time limit) is not a crash (stallwatch.slurm).
+    # signal while Slurm ends that allocation (scancel, time limit) is not a crash (stallwatch.daemon.slurm).
     slurm_job_id: str | None = None
     # The job's tree is its user's to grow: each tick examines at most this many of its
     # processes and threads; the rest are counted and their exits seen, with a "too wide to
@@ -225,7 +225,7 @@ class JobConfig(_Strict):
         if isinstance(v, int) and not isinstance(v, bool):
             v = str(v)
         if v is not None:
-            from stallwatch.slurm import JOB_ID
+            from stallwatch.daemon.slurm import JOB_ID
             if not isinstance(v, str) or not JOB_ID.match(v):
                 raise ValueError(f'expected a Slurm job id such as "4242" or "4242_7", got {v!r}')
         return v
@@ -266,7 +266,7 @@ class JobConfig(_Strict):
                              "or match was started elsewhere, so stallwatch cannot start it again "
                              "(unless `restart_command` says how)")
         if self.progress_regex is not None:
-            from stallwatch.progress import compile_progress_regex
+            from stallwatch.probes.text.progress import compile_progress_regex
             try:
                 compile_progress_regex(self.progress_regex)
             except ValueError as e:

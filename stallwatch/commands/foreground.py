@@ -10,7 +10,7 @@ It is the daemon (stallwatch.daemon.core) with three differences, nothing else:
   session of its own (so that a daemon restart never kills it), so the terminal's Ctrl-C reaches
   only stallwatch, which forwards it to the job's process group (each press, as the terminal
   would) and then waits for the job to end. Nothing is restarted after that: the user stopped it;
-- after each tick a view (stallwatch.live: the footer on a terminal, plain lines elsewhere) is
+- after each tick a view (stallwatch.commands.live: the footer on a terminal, plain lines elsewhere) is
   shown the jobs.
 
 A daemon whose config does not say exit_with_jobs keeps the service behaviour: SIGINT and SIGTERM
@@ -220,7 +220,7 @@ class ForegroundDaemon(Daemon):
     def shutdown(self) -> None:
         if self.view is not None and self.db is not None:
             try:  # what the view shows last, while the state database is still open
-                from stallwatch.live import job_view
+                from stallwatch.commands.live import job_view
 
                 self.final_views = [job_view(r) for r in self.jobs.values()]
             except Exception:  # noqa: BLE001

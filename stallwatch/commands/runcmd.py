@@ -1,6 +1,6 @@
 """`stallwatch run -- COMMAND`, `stallwatch run --config FILE` with `exit_with_jobs`, and
-`stallwatch watch`: the foreground daemon (stallwatch.daemon.foreground) with its view and the
-job's output passed through (stallwatch.live). Logging: on a terminal the daemon's log goes to
+`stallwatch watch`: the foreground daemon (stallwatch.commands.foreground) with its view and the
+job's output passed through (stallwatch.commands.live). Logging: on a terminal the daemon's log goes to
 `<state_dir>/stallwatch.log`, its warnings also into the scrolling region, dimmed; elsewhere to
 stderr as the daemon logs.
 """
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from stallwatch.config import Config
+from stallwatch.daemon.config import Config
 
 __all__ = ["run_foreground", "use_terminal"]
 
@@ -55,8 +55,8 @@ def _logging(cfg: Config, footer: Any) -> list[logging.Handler]:
 
 def run_foreground(cfg: Config, *, terminal: bool | None = None, tee: bool | None = None,
                    start_in_dry_run: bool = False, plain_every_s: float = 30.0) -> int:
-    from stallwatch.daemon.foreground import ForegroundDaemon
-    from stallwatch.live import Footer, PlainView, Tee
+    from stallwatch.commands.foreground import ForegroundDaemon
+    from stallwatch.commands.live import Footer, PlainView, Tee
 
     terminal = use_terminal() if terminal is None else terminal
     tee = terminal if tee is None else tee

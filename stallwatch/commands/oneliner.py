@@ -1,6 +1,6 @@
 """From a one-liner's options to the daemon's config: `stallwatch run [OPTIONS] -- COMMAND` and
 `stallwatch watch --pid PID | --match RE` build TOML text and load it with the config loader the
-daemon uses (stallwatch.config.parse_config). So `--print-config` prints exactly what runs, and
+daemon uses (stallwatch.daemon.config.parse_config). So `--print-config` prints exactly what runs, and
 `stallwatch run --config` of that text is the same daemon with the same job: a one-liner grows into
 a service without a second meaning for any key.
 

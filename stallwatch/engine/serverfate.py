@@ -17,7 +17,7 @@ from typing import Any
 
 from stallwatch.sglang.serverlog import down_cause
 from stallwatch.sglang.titles import parse_title
-from stallwatch.snapshot import Snapshot
+from stallwatch.probes.snapshot import Snapshot
 
 DEFAULT_WATCHDOG_S = 300.0  # ServerArgs.watchdog_timeout since 0.5.0
 KILL_SLEEP_S = 5.0  # the watchdog sleeps this long after its log line before the SIGQUIT

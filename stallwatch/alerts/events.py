@@ -43,7 +43,7 @@ class AlertEvent(Frozen):
     actions: tuple[str, ...] = ()  # what stallwatch did: "evidence: /var/lib/...", "killed", ...
     evidence_bundle: str | None = None  # path of the evidence bundle on the host
     test: bool = False  # sent by `stallwatch alert test`
-    # The last minutes before the event as sparklines (stallwatch.history): progress rate, GPU
+    # The last minutes before the event as sparklines (stallwatch.engine.history): progress rate, GPU
     # utilisation and memory, CPU, I/O; plain text lines, "" when nothing was recorded.
     sparklines: str = ""
     renotify: int = 0  # 0: the first alert of this state; n: the n-th reminder of a still-firing incident

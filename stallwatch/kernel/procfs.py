@@ -146,9 +146,9 @@ def parse_io(text: str) -> Io:
 def _syscall_table() -> Mapping[int, str]:
     machine = platform.machine()
     if machine == "x86_64":
-        from stallwatch.syscalls_x86_64 import SYSCALLS
+        from stallwatch.kernel.syscalls_x86_64 import SYSCALLS
     elif machine in ("aarch64", "arm64"):
-        from stallwatch.syscalls_aarch64 import SYSCALLS
+        from stallwatch.kernel.syscalls_aarch64 import SYSCALLS
     else:
         SYSCALLS = {}
     return SYSCALLS

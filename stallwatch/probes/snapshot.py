@@ -12,7 +12,7 @@ from stallwatch.probes.outputs import OutputsObs
 from stallwatch.probes.processes import ProcessesObs
 from stallwatch.probes.server import ServerObs
 from stallwatch.probes.server_log import ServerLogObs
-from stallwatch.targets import Target
+from stallwatch.probes.targets import Target
 
 
 class Snapshot(Frozen):

@@ -1,7 +1,7 @@
 """The last minutes of a job as numbers, and as sparklines: "it slowed, then stopped, while the
 GPU went idle", seen at a glance.
 
-One `Sample` per tick, taken from the rule variables (stallwatch.features), which are a pure
+One `Sample` per tick, taken from the rule variables (stallwatch.engine.features), which are a pure
 function of the snapshot: so the same samples come from the daemon's tick and from a trace of
 `stallwatch record` replayed (`samples_from_trace`), and a sparkline in an alert can be checked
 against the recorded trace. Counters (progress done, I/O bytes) are kept as counters; rates are
@@ -99,9 +99,9 @@ def from_docs(docs: Iterable[dict[str, Any]]) -> list[Sample]:
 
 def samples_from_trace(path: Any) -> list[Sample]:
     """The samples of a `stallwatch record` trace: the same function of the same snapshots."""
-    from stallwatch.features import features
-    from stallwatch.snapshot import Snapshot
-    from stallwatch.trace import read_trace
+    from stallwatch.engine.features import features
+    from stallwatch.probes.snapshot import Snapshot
+    from stallwatch.probes.trace import read_trace
 
     _header, rows, _events = read_trace(path)
     out = []
@@ -191,7 +191,7 @@ def _fmt(key: str, v: float | None) -> str:
         return f"{v:.0f}%"
     if key == "cpu":
         return f"{v:.2g} cores" if v < 10 else f"{v:.0f} cores"
-    from stallwatch.features import human_bytes
+    from stallwatch.engine.features import human_bytes
 
     return human_bytes(v) + ("/s" if key == "io" else "")
 

@@ -16,9 +16,9 @@ import signal as _signal
 from typing import Any
 
 from stallwatch.probes.processes import ProcessObs, ThreadObs
-from stallwatch.serverfate import server_busy, server_fate
+from stallwatch.engine.serverfate import server_busy, server_fate
 from stallwatch.sglang.titles import parse_title
-from stallwatch.snapshot import Snapshot
+from stallwatch.probes.snapshot import Snapshot
 
 # The job's own cadence is learned; these bound it. A job progressing every second is called
 # stalled STALL_FLOOR_S after its last progress (plus the rule's `for`), inside the contract's

@@ -27,7 +27,7 @@ from collections import OrderedDict
 from typing import Any, Callable
 from urllib.parse import unquote
 
-log = logging.getLogger("stallwatch.metrics")
+log = logging.getLogger("stallwatch.daemon.metrics")
 
 MAX_CONNECTIONS = 32
 READ_TIMEOUT_S = 5.0

@@ -23,9 +23,9 @@ from stallwatch.probes.processes import ProcessesObs, ProcessesProbe
 from stallwatch.probes.server import ServerProbe
 from stallwatch.probes.server_log import ServerLogProbe, stdio_log
 from stallwatch.sglang.titles import parse_title
-from stallwatch.roots import DEFAULT_ROOTS, Roots
-from stallwatch.snapshot import Snapshot
-from stallwatch.targets import Target
+from stallwatch.kernel.roots import DEFAULT_ROOTS, Roots
+from stallwatch.probes.snapshot import Snapshot
+from stallwatch.probes.targets import Target
 
 # GPU states that mean "nothing to see here" rather than "broken".
 _GPU_STATUS = {"no_library": ProbeStatus.absent, "no_driver": ProbeStatus.absent,

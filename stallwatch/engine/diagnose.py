@@ -13,9 +13,9 @@ from typing import Any, Iterable
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.engine import Evaluation, Evaluator, RuleLoadError, RuleSet, load_rules
 from stallwatch.errors import UsageError
-from stallwatch.features import features
-from stallwatch.snapshot import Snapshot
-from stallwatch.targets import Target
+from stallwatch.engine.features import features
+from stallwatch.probes.snapshot import Snapshot
+from stallwatch.probes.targets import Target
 
 # Nagios plugin convention: diagnose doubles as a monitoring check.
 EXIT_OK, EXIT_WARNING, EXIT_CRITICAL, EXIT_UNKNOWN = 0, 1, 2, 3
@@ -27,7 +27,7 @@ def builtin_rule_paths() -> list[Path]:
     except ModuleNotFoundError:
         # Run from a source checkout on PYTHONPATH, not installed: the package-dir mapping of
         # pyproject.toml (rules/ -> stallwatch._rules) exists only in an installed tree.
-        root = Path(__file__).resolve().parents[1] / "rules"
+        root = Path(__file__).resolve().parents[2] / "rules"
         if not (root / "10-faults.toml").is_file():
             raise
     return sorted(Path(str(p)) for p in root.iterdir() if p.name.endswith(".toml"))

@@ -30,8 +30,8 @@ ServerLogOpt = Annotated[Optional[Path], typer.Option(
 
 def make_target(pid: list[int], match: str | None, log: Path | None, progress_regex: str | None,
                 outputs: Path | None, server: str | None, name: str = "job", server_log: Path | None = None):
-    from stallwatch.progress import compile_progress_regex
-    from stallwatch.targets import Target
+    from stallwatch.probes.text.progress import compile_progress_regex
+    from stallwatch.probes.targets import Target
 
     if match is not None:
         try:
@@ -63,8 +63,8 @@ def make_target(pid: list[int], match: str | None, log: Path | None, progress_re
 def target_from_config(path: Path, name: str | None):
     """The Target of one [[job]]: its pid from the pid_file, its match, or for a supervised job
     the pid the daemon's state database holds."""
-    from stallwatch.config import load_config
-    from stallwatch.targets import Target
+    from stallwatch.daemon.config import load_config
+    from stallwatch.probes.targets import Target
 
     cfg = load_config(path)
     jobs = [j for j in cfg.job if name is None or j.name == name]
@@ -78,7 +78,7 @@ def target_from_config(path: Path, name: str | None):
         except (OSError, ValueError, IndexError) as e:
             raise UsageError(f"{j.pid_file}: no pid in the job's pid_file ({e})") from e
     elif j.command is not None:
-        from stallwatch.state import StateDB
+        from stallwatch.daemon.state import StateDB
 
         db = StateDB.open_readonly(cfg.state_dir)
         row = db.job(j.name) or {}
@@ -97,7 +97,7 @@ def snapshot(
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON (the only format for now).")] = True,
 ) -> None:
     """One raw observation from every probe, no verdict."""
-    from stallwatch.collector import Collector
+    from stallwatch.probes.collector import Collector
 
     target = make_target(pid, match, log, progress_regex, outputs, server, server_log=server_log)
     c = Collector(target, kernel_history=True)
@@ -120,8 +120,8 @@ def record(
     job: Annotated[Optional[str], typer.Option("--job", help="With --config: which [[job]] (default: the first).")] = None,
 ) -> None:
     """The flight recorder: one snapshot per interval into a JSON Lines trace (.gz: compressed)."""
-    from stallwatch.collector import Collector
-    from stallwatch.trace import TraceWriter
+    from stallwatch.probes.collector import Collector
+    from stallwatch.probes.trace import TraceWriter
 
     if interval <= 0:
         raise UsageError("--interval must be positive")
@@ -167,10 +167,10 @@ def diagnose(
     """One-shot diagnosis: the verdict, its evidence and advice. Read-only; exit code as Nagios."""
     from rich.console import Console
 
-    from stallwatch import diagnose as dg
-    from stallwatch.collector import Collector
-    from stallwatch.discover import discover
-    from stallwatch.render import render
+    from stallwatch.engine import diagnose as dg
+    from stallwatch.probes.collector import Collector
+    from stallwatch.probes.discover import discover
+    from stallwatch.commands.render import render
 
     if window < 0:
         raise UsageError("--window must not be negative")
@@ -200,11 +200,11 @@ def replay(
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object per verdict change.")] = False,
 ) -> int:
     """Re-evaluate a recorded trace: the verdict timeline, with `for` and pending states as live."""
-    from stallwatch.replay import replay_trace, print_timeline
+    from stallwatch.commands.replay import replay_trace, print_timeline
 
     timeline = replay_trace(trace, rules)
     print_timeline(timeline, json_out)
-    from stallwatch import diagnose as dg
+    from stallwatch.engine import diagnose as dg
     kinds = [row["kind"] for row in timeline if "kind" in row]
     return dg.exit_code(kinds[-1], 0) if kinds else 3
 
@@ -212,7 +212,7 @@ def replay(
 @rules_app.command("check")
 def rules_check(paths: Annotated[list[Path], typer.Argument(help="Rule files or directories; default: the built-in rules.")] = []) -> int:
     """Validate rule files: every problem as file:line:column: problem."""
-    from stallwatch import diagnose as dg
+    from stallwatch.engine import diagnose as dg
     from stallwatch.engine import check_paths
 
     chosen = paths or dg.builtin_rule_paths()
@@ -232,7 +232,7 @@ def rules_check(paths: Annotated[list[Path], typer.Argument(help="Rule files or 
 @rules_app.command("test")
 def rules_test(file: Annotated[Path, typer.Argument(help="A rule-test file (TOML).")]) -> int:
     """Run timeline tests of rules, like `promtool test rules`."""
-    from stallwatch import diagnose as dg
+    from stallwatch.engine import diagnose as dg
     from stallwatch.engine import run_test_file
 
     if not file.is_file():
@@ -274,7 +274,7 @@ def alert_test(
         if not config.exists():
             raise UsageError(f"{config}: no such config file (pass --config FILE)")
     try:
-        from stallwatch.config import load_config
+        from stallwatch.daemon.config import load_config
     except ImportError:  # without the daemon's config module: the [[alert]] tables alone
         from stallwatch.alerts.config import load_alerts_file
         configs, state_dir = load_alerts_file(config), None
@@ -352,7 +352,7 @@ def run(
     SIGTERM and SIGINT stop the daemon and leave the jobs running (unless the config says
     `exit_with_jobs = true`, as --print-config writes it).
     """
-    from stallwatch.config import load_config, parse_config
+    from stallwatch.daemon.config import load_config, parse_config
 
     if log_level is not None and log_level.lower() not in ("debug", "info", "warning", "error"):
         raise UsageError(f"--log-level {log_level}: expected debug, info, warning or error")
@@ -368,7 +368,7 @@ def run(
         if print_config:
             sys.stdout.write(text)
             return 0
-        from stallwatch.runcmd import with_invoker_env
+        from stallwatch.commands.runcmd import with_invoker_env
 
         cfg = with_invoker_env(parse_config(text, "stallwatch run", base=Path.cwd()))
     else:
@@ -394,7 +394,7 @@ def run(
         cfg = cfg.model_copy(update={"daemon": cfg.daemon.model_copy(
             update={"log_level": log_level.lower()})})
     if cfg.daemon.exit_with_jobs:
-        from stallwatch.runcmd import run_foreground
+        from stallwatch.commands.runcmd import run_foreground
 
         return run_foreground(cfg, tee=tee, start_in_dry_run=cfg.daemon.dry_run)
     from stallwatch.daemon.core import run_daemon
@@ -407,8 +407,8 @@ def _oneliner_toml(command: list[str], *, name, log, outputs, server, progress_r
                    restart_backoff: float | None = None, pid_file: Path | None = None,
                    match: str | None = None, user: str | None = None,
                    group: str | None = None, restart_command: list[str] | None = None) -> str:
-    """The one-liner's options as the config file they stand for (stallwatch.oneliner)."""
-    from stallwatch.oneliner import OneLiner, alert_table, default_state_dir, job_name, to_toml
+    """The one-liner's options as the config file they stand for (stallwatch.commands.oneliner)."""
+    from stallwatch.commands.oneliner import OneLiner, alert_table, default_state_dir, job_name, to_toml
 
     if restart not in ("no", "on-failure"):
         raise UsageError(f"--restart {restart}: expected no or on-failure")
@@ -449,8 +449,8 @@ def watch(
 
     Exits when the job has ended (0 finished, 2 crash); Ctrl-C stops watching, never the job.
     """
-    from stallwatch.config import parse_config
-    from stallwatch.runcmd import watch_foreground
+    from stallwatch.daemon.config import parse_config
+    from stallwatch.commands.runcmd import watch_foreground
 
     if (pid is None) == (match is None):
         raise UsageError("give exactly one of --pid PID or --match RE")
@@ -461,7 +461,7 @@ def watch(
             re.compile(match)
         except re.error as e:
             raise UsageError(f"--match: not a valid regex: {e}") from e
-    from stallwatch.oneliner import default_state_dir, split_command
+    from stallwatch.commands.oneliner import default_state_dir, split_command
 
     jname = name or (_comm_name(pid) if pid else None)
     sd = (state_dir or default_state_dir(jname or "watch")).absolute()
@@ -481,14 +481,14 @@ def watch(
     if print_config:
         sys.stdout.write(text)
         return 0
-    from stallwatch.runcmd import with_invoker_env
+    from stallwatch.commands.runcmd import with_invoker_env
 
     cfg = with_invoker_env(parse_config(text, "stallwatch watch", base=Path.cwd()))
     return watch_foreground(cfg, pid)
 
 
 def _comm_name(pid: int) -> str:
-    from stallwatch.oneliner import job_name
+    from stallwatch.commands.oneliner import job_name
 
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -514,7 +514,7 @@ def status(
             raise UsageError("--watch draws a table: it does not go with --json")
         return top(config=config, state_dir=state_dir, every=every)
     from stallwatch.daemon.status import exit_code, render_status, status_doc
-    from stallwatch.state import StateDB
+    from stallwatch.daemon.state import StateDB
 
     state_dir, names = _status_source(config, state_dir)
     db = StateDB.open_readonly(state_dir)
@@ -534,7 +534,7 @@ def status(
 def _status_source(config: Path | None, state_dir: Path | None) -> tuple[Path, list[str] | None]:
     import os
 
-    from stallwatch.config import default_state_dir, load_config
+    from stallwatch.daemon.config import default_state_dir, load_config
 
     names = None
     if config is None and state_dir is None:
@@ -567,7 +567,7 @@ def top(
     from rich.live import Live
 
     from stallwatch.daemon.status import status_doc, status_renderable
-    from stallwatch.state import StateDB
+    from stallwatch.daemon.state import StateDB
 
     if every <= 0:
         raise UsageError("--every must be positive")
@@ -605,7 +605,7 @@ def demo(
     Exit 0 when everything happened as it should, 2 otherwise (saying what), 3 when the fault
     cannot be staged here (io_stall without root).
     """
-    from stallwatch.demo import FAULTS, run_demo
+    from stallwatch.commands.demo import FAULTS, run_demo
 
     if pipeline not in ("http", "torchrun"):
         raise UsageError(f"--pipeline {pipeline}: expected http or torchrun")

@@ -46,10 +46,10 @@ from prometheus_client.utils import floatToGoString
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from stallwatch import __version__
-from stallwatch.selfusage import SelfUsage, read_self_usage
+from stallwatch.daemon.selfusage import SelfUsage, read_self_usage
 from stallwatch.vocab import INCIDENT_KINDS, JOB_STATES, VERDICT_KINDS
 
-log = logging.getLogger("stallwatch.metrics")
+log = logging.getLogger("stallwatch.daemon.metrics")
 
 # The vocabulary comes from stallwatch.vocab (docs/contract.md):
 # - VERDICT_KINDS: `stallwatch_job_verdict` has one series per kind per job: 1 for the current
@@ -157,7 +157,7 @@ class JobView(_View):
                       watch_warnings: int = 0) -> JobView:
         """Progress and GPU memory from the job's latest Snapshot; the rest from the daemon.
 
-        `snap` is a stallwatch.snapshot.Snapshot (or None before the first tick)."""
+        `snap` is a stallwatch.probes.snapshot.Snapshot (or None before the first tick)."""
         done = total = rate = eta = last_ts = None
         gpus: tuple[JobGpu, ...] = ()
         unwatched = 0
@@ -409,7 +409,7 @@ def families(jobs: Sequence[JobView], daemon: DaemonView | None) -> list[Metric]
 
 
 def self_usage_families(u: SelfUsage | None) -> list[Metric]:
-    """The daemon's own footprint (stallwatch/selfusage.py); nothing when it could not be read."""
+    """The daemon's own footprint (stallwatch/daemon/selfusage.py); nothing when it could not be read."""
     if u is None:
         return []
     out: list[Metric] = [
@@ -649,10 +649,10 @@ class MetricsExporter:
             return self
         from prometheus_client import make_wsgi_app
 
-        from stallwatch.metrics_http import MetricsServer
+        from stallwatch.daemon.metrics_http import MetricsServer
 
         # Not prometheus_client.start_http_server: a thread per connection, without timeouts
-        # (stallwatch/metrics_http.py says why).
+        # (stallwatch/daemon/metrics_http.py says why).
         self._httpd = MetricsServer(self._host, self._port, make_wsgi_app(self.registry)).start()
         self._thread = self._httpd.thread
         log.info("metrics on http://%s/metrics", self.address)

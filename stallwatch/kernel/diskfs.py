@@ -13,7 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from stallwatch.model import Frozen
-from stallwatch.roots import Absent, Denied, Roots
+from stallwatch.kernel.roots import Absent, Denied, Roots
 
 SECTOR_BYTES = 512  # diskstats counts 512-byte sectors whatever the device's real sector size
 

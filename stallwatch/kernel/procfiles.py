@@ -21,7 +21,7 @@ import os
 import resource
 import weakref
 
-from stallwatch.roots import Roots, _raise_mapped
+from stallwatch.kernel.roots import Roots, _raise_mapped
 
 READ_LIMIT = 16384  # stat, schedstat: well under a page
 FD_FLOOR = 1024  # FD_SETSIZE: select() handles descriptors below it only

@@ -1,7 +1,7 @@
 """`stallwatch demo --pipeline torchrun`: SpecForge's shape, beside the HTTP pipeline.
 
 SpecForge's `prepare_hidden_states.py` runs SGLang inside each torchrun rank (docs/specforge.md);
-here `python -m torch.distributed.run --nproc_per_node 3 stallwatch/specforge_job.py` stands in
+here `python -m torch.distributed.run --nproc_per_node 3 stallwatch/commands/specforge_job.py` stands in
 for it on the CPU (gloo), as a supervised job of the real daemon with the default rules and no
 server. Faults: `hang` (rank 1's writer deadlocks half-way through a file; ranks 0 and 2 finish
 their bars and wait at the barrier) and `crash` (rank 2 raises; torchrun stops the others). The
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from stallwatch import demo as base
+from stallwatch.commands import demo as base
 
 NPROC = 3
 BATCH = 4

@@ -19,7 +19,7 @@ import os
 import re
 
 from stallwatch.model import Frozen
-from stallwatch.roots import Absent, Denied, Roots
+from stallwatch.kernel.roots import Absent, Denied, Roots
 
 __all__ = ["LAUNCHER_COMM", "RankInfo", "RootCause", "RootCauseTracker", "is_launcher", "parse_environ", "rank_info", "read_rank"]
 
