@@ -11,7 +11,8 @@ from rigs import dead_fuse_mount, root  # noqa: F401 - root is a fixture
 
 from stallwatch.probes.collector import Collector
 from stallwatch.engine.features import features
-from stallwatch.probes.base import DeadlineRunner, ProbeStatus
+from stallwatch.probes.base import REPORT_STATUSES, DeadlineRunner, Outcome, ProbeStatus
+from stallwatch.probes.snapshot import PROBE_FIELDS
 from stallwatch.probes.targets import Target
 
 
@@ -84,3 +85,32 @@ def test_log_and_outputs_on_a_dead_mount_do_not_hang_the_tick(root):
     v = features(snap2)
     assert any("log: busy" in e or "log: timeout" in e for e in v["probe_errors"])
     assert v["disk"]["stuck"]
+
+
+def test_every_observation_status_folds_into_its_report_by_one_rule(tmp_path):
+    """Data / no data / error (node_exporter's three ends), one rule for every probe: an
+    observation that says its source is missing or broken says so in its probe's report; no
+    probe is special-cased by name."""
+    assert {s.reported for s in ProbeStatus} == set(REPORT_STATUSES)
+    assert {s for s in ProbeStatus if s.outcome is Outcome.data} == {ProbeStatus.ok}
+    assert ProbeStatus.no_driver.outcome is Outcome.no_data and ProbeStatus.busy.outcome is Outcome.error
+    (tmp_path / "job.log").mkdir()  # a directory where the log should be
+    (tmp_path / "out").write_text("x")  # a file where the outputs directory should be
+    c = Collector(Target(pids=(os.getpid(),), log=tmp_path / "job.log", outputs=tmp_path / "out",
+                         server_log=tmp_path / "none.log"),
+                  gpu=False, deadline_s=10.0, use_inotify=False)
+    try:
+        snap = c.tick()
+    finally:
+        c.close()
+    reports = {p.name: p for p in snap.probes}
+    assert list(reports) == [*(n for n in PROBE_FIELDS if n in reports and n != "disks"), "disks"]
+    assert (snap.log.status, reports["log"].status) == (ProbeStatus.not_a_file, ProbeStatus.error)
+    assert reports["log"].error == snap.log.error and "directory" in snap.log.error
+    assert (snap.outputs.status, reports["outputs"].status) == (ProbeStatus.not_a_dir, ProbeStatus.error)
+    assert (snap.server_log.status, reports["server_log"].status) == (ProbeStatus.absent,) * 2
+    assert reports["processes"].status == ProbeStatus.ok
+    assert any(e.startswith("log: error: ") for e in features(snap)["probe_errors"])
+    # each observation sits in the field the table gives its probe (kmsg -> kernel)
+    for name, field in PROBE_FIELDS.items():
+        assert (name in reports) == (getattr(snap, field) is not None), name

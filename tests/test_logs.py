@@ -12,7 +12,7 @@ import pytest
 
 from stallwatch.clock import FakeClock
 from stallwatch.probes.base import DeadlineRunner, ProbeStatus
-from stallwatch.probes.logs import LogObs, LogProbe, LogStatus
+from stallwatch.probes.logs import LogObs, LogProbe
 
 
 def bar(i: int, total: int = 100, elapsed: int | None = None, rate: str = " 1.00it/s") -> str:
@@ -35,7 +35,7 @@ def test_appends_across_ticks_idle_and_cadence(tmp_path, clock):
     append(log, "loading model\n")
     probe = LogProbe(log, clock=clock)
     o = probe.collect()
-    assert o.status == LogStatus.ok and o.progress is None and o.idle_s is None
+    assert o.status == ProbeStatus.ok and o.progress is None and o.idle_s is None
     assert o.tail == ("loading model",)
     for i in range(1, 8):
         clock.advance(10)
@@ -201,7 +201,7 @@ def test_binary_garbage(tmp_path, clock):
     log = tmp_path / "job.log"
     append(log, os.urandom(200_000) + b"\nsample 3/10\n\xff\xfe\x00broken\n")
     o = LogProbe(log, clock=clock).collect()
-    assert o.status == LogStatus.ok and o.progress.done == 3
+    assert o.status == ProbeStatus.ok and o.progress.done == 3
     assert "\ufffd\ufffdbroken" in o.tail
     LogObs.model_validate_json(o.model_dump_json())
 
@@ -217,30 +217,30 @@ def test_deleted_log_keeps_state_and_waits(tmp_path, clock):
     log.unlink()
     clock.advance(40)
     o = probe.collect()
-    assert o.status == LogStatus.absent and o.progress.done == 5 and o.idle_s == 40.0
+    assert o.status == ProbeStatus.absent and o.progress.done == 5 and o.idle_s == 40.0
     assert o.size_bytes is None and "does not exist" in o.error
     append(log, "sample 6/10\n")
     o = probe.collect()
-    assert o.status == LogStatus.ok and o.rotations == 1 and o.progress.done == 6 and o.idle_s == 0
+    assert o.status == ProbeStatus.ok and o.rotations == 1 and o.progress.done == 6 and o.idle_s == 0
 
 
 def test_missing_from_the_start(tmp_path, clock):
     o = LogProbe(tmp_path / "nope" / "job.log", clock=clock).collect()
-    assert o.status == LogStatus.absent and o.progress is None
+    assert o.status == ProbeStatus.absent and o.progress is None
 
 
 def test_directory_in_place_of_the_log(tmp_path, clock):
     log = tmp_path / "job.log"
     log.mkdir()
     o = LogProbe(log, clock=clock).collect()
-    assert o.status == LogStatus.not_a_file and "directory" in o.error
+    assert o.status == ProbeStatus.not_a_file and "directory" in o.error
 
 
 def test_fifo_in_place_of_the_log_does_not_block(tmp_path, clock):
     log = tmp_path / "job.log"
     os.mkfifo(log)
     o = LogProbe(log, clock=clock).collect()
-    assert o.status == LogStatus.not_a_file
+    assert o.status == ProbeStatus.not_a_file
 
 
 def test_history_idle_from_mtime_when_progress_was_last(tmp_path, clock):
@@ -483,14 +483,14 @@ def test_a_log_symlinked_elsewhere_or_unreadable_to_its_user_is_refused(tmp_path
     log.write_text("step 1/10\n")
     probe = LogProbe(log, clock=FakeClock(), reader=(65534, frozenset({65534})))
     log.chmod(0o644)
-    assert probe.collect().status == LogStatus.ok
+    assert probe.collect().status == ProbeStatus.ok
     log.unlink()
     os.symlink(secret, log)
     o = probe.collect()
-    assert o.status == LogStatus.denied and "symlink: not followed" in (o.error or "")
+    assert o.status == ProbeStatus.denied and "symlink: not followed" in (o.error or "")
     assert all("AWS" not in line for line in o.tail)
     log.unlink()
     os.link(secret, log)  # what fs.protected_hardlinks stops for a user; root can show it
     o = probe.collect()
-    assert o.status == LogStatus.denied and "cannot read: refused" in (o.error or "")
+    assert o.status == ProbeStatus.denied and "cannot read: refused" in (o.error or "")
     assert all("AWS" not in line for line in o.tail)

@@ -19,7 +19,7 @@ import pytest
 from stallwatch.clock import FakeClock
 from stallwatch.probes import outputs as outputs_mod
 from stallwatch.probes.base import DeadlineRunner, ProbeStatus
-from stallwatch.probes.outputs import OutputsObs, OutputsProbe, OutputsStatus, fs_type, is_network_fs
+from stallwatch.probes.outputs import OutputsObs, OutputsProbe, fs_type, is_network_fs
 from stallwatch.kernel.roots import Roots
 
 
@@ -63,7 +63,7 @@ def test_events_track_create_grow_delete_in_nested_dirs(tmp_path, clock, make_pr
     write(out / "rows_0-2000" / "data_0.ckpt", 10)
     probe = make_probe(out, clock=clock)
     o = probe.collect()
-    assert (o.status, o.file_count, o.total_bytes, o.watch_mode) == (OutputsStatus.ok, 1, 10, "inotify")
+    assert (o.status, o.file_count, o.total_bytes, o.watch_mode) == (ProbeStatus.ok, 1, 10, "inotify")
     assert o.reconciliations == 1
     write(out / "rows_0-2000" / "data_1.ckpt", 20)
     write(out / "rows_2000-4000" / "data_2000.ckpt", 30)  # a new subdirectory, SpecForge style
@@ -220,22 +220,22 @@ def test_directory_missing_removed_replaced(tmp_path, clock, make_probe):
     out = tmp_path / "hs"
     probe = make_probe(out, clock=clock)
     o = probe.collect()
-    assert o.status == OutputsStatus.absent and o.file_count == 0 and "does not exist" in o.error
+    assert o.status == ProbeStatus.absent and o.file_count == 0 and "does not exist" in o.error
     write(out / "a.ckpt", 3)
     o = probe.collect()
-    assert o.status == OutputsStatus.ok and o.file_count == 1 and o.watch_mode == "inotify"
+    assert o.status == ProbeStatus.ok and o.file_count == 1 and o.watch_mode == "inotify"
     shutil.rmtree(out)
     clock.advance(2)
     o = probe.collect()
-    assert o.status == OutputsStatus.absent and o.file_count == 0 and o.last_change_age_s == 0.0
+    assert o.status == ProbeStatus.absent and o.file_count == 0 and o.last_change_age_s == 0.0
     assert o.watch_mode == "polling"  # the watch went with the directory
     out.write_text("not a dir")
     o = probe.collect()
-    assert o.status == OutputsStatus.not_a_dir
+    assert o.status == ProbeStatus.not_a_dir
     out.unlink()
     write(out / "b.ckpt", 4)
     o = probe.collect()
-    assert o.status == OutputsStatus.ok and o.file_count == 1 and o.total_bytes == 4
+    assert o.status == ProbeStatus.ok and o.file_count == 1 and o.total_bytes == 4
     write(out / "c.ckpt", 5)
     wait_for(probe, lambda o: o.file_count == 2)  # the watch was started again on the new dir
 

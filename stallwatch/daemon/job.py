@@ -237,10 +237,10 @@ class JobRunner:
         if row and row.get("kmsg_cursor") is not None and row.get("kmsg_boot_id") == boot:
             # Same boot: read what the kernel said while no daemon was watching (an OOM kill).
             try:
-                self.collector.kernel.close()
+                self.collector.kmsg.close()
             except Exception:  # noqa: BLE001
                 pass
-            self.collector.kernel = KernelLogProbe(clock=self.clock, cursor=row["kmsg_cursor"])
+            self.collector.kmsg = KernelLogProbe(clock=self.clock, cursor=row["kmsg_cursor"])
 
     def _processes_probe(self, target: Any, **kw: Any) -> Any:
         """The job's processes probe, bounded (issue 22 #9, #10): the caps of its config, half

@@ -47,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from stallwatch import __version__
 from stallwatch.daemon.selfusage import SelfUsage, read_self_usage
+from stallwatch.probes.base import REPORT_STATUSES
 from stallwatch.vocab import INCIDENT_KINDS, JOB_STATES, VERDICT_KINDS
 
 log = logging.getLogger("stallwatch.daemon.metrics")
@@ -63,7 +64,8 @@ log = logging.getLogger("stallwatch.daemon.metrics")
 #   recovering  kill → wait → validate → backoff → restart in progress
 #   stopped     not running and not restarted (exited, restart = "no", cannot start)
 #   finished    exited with code 0                gave_up     left stopped: the budget is spent
-PROBE_STATUSES: tuple[str, ...] = ("ok", "absent", "denied", "error", "timeout", "busy")
+# A probe report's statuses (probes/base.py: every finer observation status folds into one)
+PROBE_STATUSES: tuple[str, ...] = tuple(s.value for s in REPORT_STATUSES)
 DELIVERY_RESULTS: tuple[str, ...] = ("success", "failure")
 # Tick durations: a healthy tick takes milliseconds; the default tick deadline is 30 s.
 TICK_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,

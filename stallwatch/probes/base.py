@@ -19,13 +19,54 @@ from stallwatch.model import Frozen
 from stallwatch.kernel.roots import Absent, Denied
 
 
+class Outcome(StrEnum):
+    """How a probe run ended, in node_exporter's three words (collector/collector.go: data,
+    ErrNoData, an error)."""
+
+    data = "data"
+    no_data = "no_data"  # nothing to read here, and that is no fault: no GPU, no log yet
+    error = "error"  # something is there and could not be read, or the probe failed
+
+
 class ProbeStatus(StrEnum):
+    """The one status vocabulary of the probes: of a probe's run (ProbeReport) and of what an
+    observation says about its source (`status` of LogObs, OutputsObs, GpuObs, KernelLogObs,
+    ServerLogObs, of a disk path). Each value has its `outcome`; a run's report uses only the
+    first six, and an observation's finer reason is `reported` as one of them."""
+
     ok = "ok"
     absent = "absent"  # the source does not exist here (no GPU, no log yet, no server configured)
     denied = "denied"  # it exists but we may not read it
     error = "error"  # it raised something unexpected
     timeout = "timeout"  # it did not return within its deadline (stuck mount, hung NVML)
     busy = "busy"  # its previous call is still running (stuck since an earlier tick)
+    # Finer reasons an observation gives (public spellings of docs/contract.md, kept as they were)
+    none = "none"  # nothing known to read yet (the server's log before it is found)
+    not_a_file = "not_a_file"  # a directory, FIFO or device where the log should be
+    not_a_dir = "not_a_dir"  # a file where the outputs directory should be
+    no_library = "no_library"  # NVML: pynvml or libnvidia-ml.so not here
+    no_driver = "no_driver"  # NVML: the kernel module is not loaded
+    no_permission = "no_permission"  # NVML: /dev/nvidia* not accessible
+
+    @property
+    def outcome(self) -> Outcome:
+        return _OUTCOME[self]
+
+    @property
+    def reported(self) -> ProbeStatus:
+        """The report status this one folds into (one of REPORT_STATUSES)."""
+        return _REPORTED.get(self, self)
+
+
+REPORT_STATUSES: tuple[ProbeStatus, ...] = (
+    ProbeStatus.ok, ProbeStatus.absent, ProbeStatus.denied, ProbeStatus.error,
+    ProbeStatus.timeout, ProbeStatus.busy)
+_REPORTED = {ProbeStatus.none: ProbeStatus.absent, ProbeStatus.no_library: ProbeStatus.absent,
+             ProbeStatus.no_driver: ProbeStatus.absent, ProbeStatus.no_permission: ProbeStatus.denied,
+             ProbeStatus.not_a_file: ProbeStatus.error, ProbeStatus.not_a_dir: ProbeStatus.error}
+_OUTCOME = {s: (Outcome.data if s is ProbeStatus.ok else
+                Outcome.no_data if _REPORTED.get(s, s) is ProbeStatus.absent else Outcome.error)
+            for s in ProbeStatus}
 
 
 class ProbeReport(Frozen):
@@ -179,6 +220,18 @@ class DeadlineRunner:
 
         self._workers.submit(name, work)
         return fut
+
+
+def report_for_observation(report: ProbeReport, value: object) -> ProbeReport:
+    """A probe that returned an observation without data says so in its report: the call went
+    well, but what it watches is absent, denied or broken. One rule for every probe whose
+    observation carries a `status: ProbeStatus` and an `error` about its whole source."""
+    status = getattr(value, "status", None)
+    if not isinstance(status, ProbeStatus) or report.status is not ProbeStatus.ok \
+            or status is ProbeStatus.ok:
+        return report
+    return report.model_copy(update={"status": status.reported,
+                                     "error": getattr(value, "error", None) or status.value})
 
 
 def report_for_exception(name: str, e: BaseException, duration_s: float) -> ProbeReport:

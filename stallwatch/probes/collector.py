@@ -12,7 +12,7 @@ import socket
 from pathlib import Path
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
-from stallwatch.probes.base import DeadlineRunner, ProbeReport, ProbeStatus
+from stallwatch.probes.base import DeadlineRunner, Probe, report_for_observation
 from stallwatch.probes.disks import DisksProbe
 from stallwatch.probes.gpu import GpuProbe
 from stallwatch.probes.kmsg import KernelLogProbe
@@ -24,12 +24,8 @@ from stallwatch.probes.server import ServerProbe
 from stallwatch.probes.server_log import ServerLogProbe, stdio_log
 from stallwatch.sglang.titles import parse_title
 from stallwatch.kernel.roots import DEFAULT_ROOTS, Roots
-from stallwatch.probes.snapshot import Snapshot
+from stallwatch.probes.snapshot import PROBE_FIELDS, Snapshot
 from stallwatch.probes.targets import Target
-
-# GPU states that mean "nothing to see here" rather than "broken".
-_GPU_STATUS = {"no_library": ProbeStatus.absent, "no_driver": ProbeStatus.absent,
-               "no_permission": ProbeStatus.denied, "error": ProbeStatus.error}
 
 
 class Collector:
@@ -65,7 +61,7 @@ class Collector:
         # The server's own log: configured, or found next tick from its stdout/stderr.
         self.server_log = (ServerLogProbe(target.server_log, clock, reader=reader)
                            if target.server or target.server_log else None)
-        self.kernel = KernelLogProbe(roots=roots, clock=clock, history=kernel_history)
+        self.kmsg = KernelLogProbe(roots=roots, clock=clock, history=kernel_history)
         self._static_paths = [str(p) for p in (target.log and Path(target.log).parent,
                                                target.outputs) if p]
         # statvfs has its own deadline inside the probe, so a stuck mount is named in the result;
@@ -77,38 +73,26 @@ class Collector:
         """The supervisor reaped its child: the probe reports the real exit status."""
         self.processes.note_exit(pid, start_ticks, returncode)
 
+    def probes(self) -> list[Probe]:
+        """The probes this target has, in the snapshot's order: each is the attribute named
+        after it (snapshot.PROBE_FIELDS is the one list of probes)."""
+        return [p for name in PROBE_FIELDS if (p := getattr(self, name)) is not None]
+
     def tick(self) -> Snapshot:
         t0 = self.clock.monotonic()
-        first = [(p.name, p.collect, self.deadline_s) for p in
-                 (self.processes, self.gpu, self.log, self.outputs, self.server, self.kernel,
-                  self.server_processes, self.server_log) if p]
+        first = [(p.name, p.collect, self.deadline_s) for p in self.probes() if p is not self.disks]
         results = dict(zip([c[0] for c in first], self.runner.call_many(first)))
         procs: ProcessesObs | None = results["processes"][0]
         # The filesystems that matter are those the job works in and writes to, known only now.
         self.disks.paths = _disk_paths(self._static_paths, procs)
-        results["disks"] = self.runner.call("disks", self.disks.collect,
-                                            self.disks.statvfs_deadline_s + 1.0)
+        results[self.disks.name] = self.runner.call(self.disks.name, self.disks.collect,
+                                                    self.disks.statvfs_deadline_s + 1.0)
         self._find_server_log(results.get("server_processes", (None,))[0])
-
-        reports: list[ProbeReport] = []
-        values = {}
-        for name, (value, report) in results.items():
-            if name == "kmsg" and value is not None and value.status != ProbeStatus.ok:
-                # The probe returns a value when /dev/kmsg is unreadable; the report must say so.
-                report = report.model_copy(update={"status": value.status,
-                                                   "error": value.error or value.status.value})
-            if name == "gpu" and value is not None and value.status in _GPU_STATUS:
-                report = report.model_copy(update={"status": _GPU_STATUS[value.status],
-                                                   "error": value.error or value.status})
-            reports.append(report)
-            values[name] = value
         return Snapshot(
             t_mono=t0, t_wall=self.clock.time(), host=self.host, target=self.target,
-            probes=tuple(reports), tick_duration_s=self.clock.monotonic() - t0,
-            processes=procs, gpu=values.get("gpu"), log=values.get("log"),
-            outputs=values.get("outputs"), disks=values.get("disks"), server=values.get("server"),
-            kernel=values.get("kmsg"), server_processes=values.get("server_processes"),
-            server_log=values.get("server_log"),
+            probes=tuple(report_for_observation(report, value) for value, report in results.values()),
+            tick_duration_s=self.clock.monotonic() - t0,
+            **{PROBE_FIELDS[name]: value for name, (value, _) in results.items()},
         )
 
     def _find_server_log(self, sp: ProcessesObs | None) -> None:
@@ -130,7 +114,7 @@ class Collector:
             self.server_log.discover(found[0], found[1], root.uid)
 
     def close(self) -> None:
-        for p in (self.gpu, self.outputs, self.kernel, self.server, self.disks):
+        for p in self.probes():
             close = getattr(p, "close", None)
             if close:
                 close()

@@ -26,6 +26,7 @@ from pydantic import Field
 from stallwatch.clock import Clock, SYSTEM_CLOCK
 from stallwatch.model import Frozen
 from stallwatch.kernel.nvml import LOST_REASONS, OK, Nvml, default_nvml, describe
+from stallwatch.probes.base import ProbeStatus
 
 # ---------------------------------------------------------------------------------------------
 # Observations (written to JSONL traces and replayed: plain JSON types only)
@@ -81,7 +82,7 @@ class GpuDeviceObs(Frozen):
 
 
 class GpuObs(Frozen):
-    status: str  # "ok" | "no_library" | "no_driver" | "no_permission" | "error"
+    status: ProbeStatus  # ok, no_library, no_driver, no_permission, error
     driver_version: str | None = None
     nvml_version: str | None = None
     cuda_driver_version: str | None = None  # e.g. "13.0"
@@ -214,12 +215,12 @@ class GpuProbe:
         now = self._clock.time()
         # A previous collect stuck in the driver holds the lock; answer rather than queue up.
         if not self._lock.acquire(blocking=False):
-            return GpuObs(status="error", error="previous GPU collect has not returned",
+            return GpuObs(status=ProbeStatus.error, error="previous GPU collect has not returned",
                           collected_at=now)
         try:
             return self._collect(now)
         except Exception as e:  # noqa: BLE001 - a bug here must not cost the whole snapshot
-            return GpuObs(status="error", error=f"gpu probe: {describe(e)}", collected_at=now)
+            return GpuObs(status=ProbeStatus.error, error=f"gpu probe: {describe(e)}", collected_at=now)
         finally:
             self._lock.release()
 
@@ -235,13 +236,13 @@ class GpuProbe:
         nv = self.nvml
         status = nv.init()
         if status != OK:
-            return GpuObs(status=status, error=nv.error, collected_at=now,
+            return GpuObs(status=ProbeStatus(status), error=nv.error, collected_at=now,
                           xid_events=list(self._events), xid_events_total=self._seq)
         if self._system is None:
             self._system = self._system_info()
         count = nv.call("nvmlDeviceGetCount")
         if not count.ok:
-            return GpuObs(status="error", error=f"nvmlDeviceGetCount: {count.reason}",
+            return GpuObs(status=ProbeStatus.error, error=f"nvmlDeviceGetCount: {count.reason}",
                           collected_at=now, **self._system)
         if self._event_set is None and self._event_set_error is None:
             es = nv.call("nvmlEventSetCreate")
@@ -257,7 +258,8 @@ class GpuProbe:
                 self._start_slow()
         self._drain(now)
         return GpuObs(
-            status=OK, device_count=count.value, devices=devices, xid_events=list(self._events),
+            status=ProbeStatus.ok, device_count=count.value, devices=devices,
+            xid_events=list(self._events),
             xid_events_total=self._seq, xid_watch=self._xid_watch(), collected_at=now,
             **self._system,
         )

@@ -13,9 +13,9 @@ import os
 import re
 import stat
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from stallwatch.kernel import safefs
+from stallwatch.probes.base import ProbeStatus
 from stallwatch.probes.text.bars import cursor_ups
 from stallwatch.probes.text.progress import clean_line
 
@@ -24,17 +24,9 @@ _SEP = re.compile(rb"[\r\n]")  # tqdm redraws with \r: every redraw is a line of
 _FINGERPRINT = 64
 
 
-class LogStatus(StrEnum):
-    ok = "ok"
-    absent = "absent"  # not there (yet, or between rotation steps): keep waiting
-    denied = "denied"
-    not_a_file = "not_a_file"  # a directory, FIFO or device where the log should be
-    error = "error"
-
-
 @dataclass
 class FollowResult:
-    status: LogStatus
+    status: ProbeStatus
     error: str | None = None
     size: int | None = None
     mtime_s: float | None = None
@@ -91,35 +83,35 @@ class LogFollower:
                 os.close(dfd)
         except FileNotFoundError:
             self._vanished = self.ident is not None
-            return FollowResult(LogStatus.absent, f"{self.path} does not exist")
+            return FollowResult(ProbeStatus.absent, f"{self.path} does not exist")
         except safefs.UnsafePath as e:
-            return FollowResult(LogStatus.denied, f"{e}")
+            return FollowResult(ProbeStatus.denied, f"{e}")
         except PermissionError as e:
-            return FollowResult(LogStatus.denied, f"{self.path}: {e.strerror}")
+            return FollowResult(ProbeStatus.denied, f"{self.path}: {e.strerror}")
         except OSError as e:
             if e.errno == errno.ELOOP:
-                return FollowResult(LogStatus.denied, f"{self.path} is a symlink: not followed")
-            st = LogStatus.absent if e.errno == errno.ENOTDIR else LogStatus.error
+                return FollowResult(ProbeStatus.denied, f"{self.path} is a symlink: not followed")
+            st = ProbeStatus.absent if e.errno == errno.ENOTDIR else ProbeStatus.error
             return FollowResult(st, f"{self.path}: {e.strerror or e}")
         try:
             return self._poll_fd(fd)
         except OSError as e:
-            return FollowResult(LogStatus.error, f"{self.path}: {e.strerror or e}")
+            return FollowResult(ProbeStatus.error, f"{self.path}: {e.strerror or e}")
         finally:
             os.close(fd)
 
     def _poll_fd(self, fd: int) -> FollowResult:
         st = os.fstat(fd)
         ident = (st.st_dev, st.st_ino)
-        res = FollowResult(LogStatus.ok, size=st.st_size, mtime_s=st.st_mtime, ident=ident)
+        res = FollowResult(ProbeStatus.ok, size=st.st_size, mtime_s=st.st_mtime, ident=ident)
         if not stat.S_ISREG(st.st_mode):
-            res.status = LogStatus.not_a_file
+            res.status = ProbeStatus.not_a_file
             kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
             res.error = f"{self.path} is {kind}"
             self._vanished = self.ident is not None
             return res
         if self.reader is not None and not safefs.readable_by(st, *self.reader):
-            return FollowResult(LogStatus.denied, f"{self.path} is a file uid {self.reader[0]} "
+            return FollowResult(ProbeStatus.denied, f"{self.path} is a file uid {self.reader[0]} "
                                                   "(the job's user) cannot read: refused")
         budget = self.chunk_budget_bytes
         if self.ident is None:

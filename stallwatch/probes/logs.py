@@ -18,7 +18,8 @@ from typing import Literal
 from stallwatch.probes.text.bars import BarSet, MultiBars
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.model import Frozen
-from stallwatch.probes.logfollow import FollowResult, LogFollower, LogStatus
+from stallwatch.probes.base import ProbeStatus
+from stallwatch.probes.logfollow import FollowResult, LogFollower
 from stallwatch.probes.torchrun import RootCause, RootCauseTracker
 from stallwatch.probes.text.progress import (
     ProgressEvent, ProgressParser, Traceback, TracebackTracker, fatal_kind, parse_tqdm,
@@ -46,7 +47,7 @@ class FatalLine(Frozen):
 
 class LogObs(Frozen):
     path: str
-    status: LogStatus
+    status: ProbeStatus
     error: str | None = None
     size_bytes: int | None = None
     mtime_epoch_s: float | None = None
@@ -194,7 +195,7 @@ class LogProbe:
         f = self.follower
         prev_size, prev_rotations = f.size, f.rotations
         r = f.poll()
-        if r.status is LogStatus.ok:
+        if r.status is ProbeStatus.ok:
             if r.first:
                 self._last_growth = self._mono_of(r.mtime_s, now)
             elif f.rotations != prev_rotations or (r.size or 0) > prev_size:
@@ -421,7 +422,7 @@ class LogProbe:
                 tail[-1] = p
             else:
                 tail = (tail + [p])[-self._tail_lines :]
-        ok = r.status is LogStatus.ok
+        ok = r.status is ProbeStatus.ok
         return LogObs(
             path=f.path, status=r.status, error=r.error,
             size_bytes=r.size if ok else None, mtime_epoch_s=r.mtime_s if ok else None,

@@ -41,11 +41,11 @@ import time
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Literal
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.model import Frozen
+from stallwatch.probes.base import ProbeStatus
 from stallwatch.probes.inotify import InotifyWatch
 from stallwatch.kernel.roots import DEFAULT_ROOTS, Roots
 
@@ -61,14 +61,6 @@ NETWORK_FS = {
 }
 
 
-class OutputsStatus(StrEnum):
-    ok = "ok"
-    absent = "absent"  # not created yet, or removed
-    denied = "denied"
-    not_a_dir = "not_a_dir"
-    error = "error"
-
-
 class OutputFile(Frozen):
     path: str  # relative to the outputs directory, `/`-separated
     size_bytes: int
@@ -78,7 +70,7 @@ class OutputFile(Frozen):
 
 class OutputsObs(Frozen):
     path: str
-    status: OutputsStatus
+    status: ProbeStatus
     error: str | None = None
     watch_mode: Literal["inotify", "polling"] = "polling"
     fs_type: str | None = None
@@ -526,16 +518,16 @@ class OutputsProbe:
             self._base = os.path.realpath(self.root)
             st = os.stat(self._base)
         except FileNotFoundError:
-            return self._gone(now, OutputsStatus.absent, f"{self.root} does not exist")
+            return self._gone(now, ProbeStatus.absent, f"{self.root} does not exist")
         except PermissionError as e:
-            return self._obs(now, OutputsStatus.denied, f"{self.root}: {e.strerror}")
+            return self._obs(now, ProbeStatus.denied, f"{self.root}: {e.strerror}")
         except OSError as e:
-            return self._gone(now, OutputsStatus.error, f"{self.root}: {e.strerror or e}")
+            return self._gone(now, ProbeStatus.error, f"{self.root}: {e.strerror or e}")
         if not stat.S_ISDIR(st.st_mode):
-            return self._gone(now, OutputsStatus.not_a_dir, f"{self.root} is not a directory")
+            return self._gone(now, ProbeStatus.not_a_dir, f"{self.root} is not a directory")
         ident = (st.st_dev, st.st_ino)
         if self._root_ident is not None and ident != self._root_ident:
-            self._gone(now, OutputsStatus.absent, None)  # replaced: nothing we knew is there
+            self._gone(now, ProbeStatus.absent, None)  # replaced: nothing we knew is there
         self._root_ident = ident
         restarted = self._ensure_watch(ident)
         period = self.reconcile_every_s if self._watching() else min(self.reconcile_every_s, self.poll_every_s)
@@ -553,9 +545,9 @@ class OutputsProbe:
             self._reconcile(now, full=False, phase=phase, sliced=True)
         self._apply_events(now)
         self._restat_hot(now)
-        return self._obs(now, OutputsStatus.ok, None)
+        return self._obs(now, ProbeStatus.ok, None)
 
-    def _gone(self, now: float, status: OutputsStatus, error: str | None) -> OutputsObs:
+    def _gone(self, now: float, status: ProbeStatus, error: str | None) -> OutputsObs:
         self._stop_watch()
         self._pending.clear()
         self._sweep = None
@@ -575,7 +567,7 @@ class OutputsProbe:
         mtime = info[1] / 1e9
         return OutputFile(path=rel, size_bytes=info[0], mtime_epoch_s=mtime, age_s=max(0.0, wall - mtime))
 
-    def _obs(self, now: float, status: OutputsStatus, error: str | None) -> OutputsObs:
+    def _obs(self, now: float, status: ProbeStatus, error: str | None) -> OutputsObs:
         if self._newest_stale:
             self._recompute_newest()
         wall = self.clock.time()

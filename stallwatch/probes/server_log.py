@@ -19,7 +19,8 @@ import os
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.model import Frozen
-from stallwatch.probes.logfollow import LogFollower, LogStatus
+from stallwatch.probes.base import ProbeStatus
+from stallwatch.probes.logfollow import LogFollower
 from stallwatch.sglang.serverlog import LogEvent, LogState, parse_line
 
 _MAX_SCAN_LINES = 20_000  # lines parsed per tick; the follower already bounds the bytes
@@ -41,7 +42,7 @@ class ServerLogObs(Frozen):
     path: str | None = None
     discovered: bool = False  # found as the server's stdout/stderr, not configured
     how: str = ""  # how it was found
-    status: str = "none"  # LogStatus values, or "none": no server log known
+    status: ProbeStatus = ProbeStatus.none  # none: no server log known (yet)
     error: str | None = None
     lines_read: int = 0
     starts: int = 0  # "ready to roll" lines seen: runs of the server in this file
@@ -98,8 +99,8 @@ class ServerLogProbe:
         res = self._follower.poll()
         now = self.clock.monotonic()
         base = dict(path=self._follower.path, discovered=self._discovered, how=self._how,
-                    status=res.status.value, error=res.error)
-        if res.status == LogStatus.ok:
+                    status=res.status, error=res.error)
+        if res.status == ProbeStatus.ok:
             for line in res.lines[-_MAX_SCAN_LINES:]:
                 ev = parse_line(line)
                 if ev is not None:
