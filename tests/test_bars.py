@@ -12,7 +12,7 @@ from pathlib import Path
 
 from stallwatch.probes.text.bars import MultiBars, cursor_ups
 from stallwatch.clock import FakeClock
-from stallwatch.probes.logs import LogProbe
+from stallwatch.probes.log import LogProbe
 from stallwatch.probes.text.progress import parse_tqdm
 from stallwatch.probes.torchrun import RootCauseTracker, parse_environ, rank_info, is_launcher
 

@@ -21,7 +21,7 @@ from stallwatch.engine.alerting import EvidenceItem, Verdict
 from stallwatch.kernel.kmsgparse import EventKind, KernelEvent
 from stallwatch.probes.base import ProbeStatus
 from stallwatch.probes.kmsg import KernelLogObs
-from stallwatch.probes.logs import LogProbe
+from stallwatch.probes.log import LogProbe
 from stallwatch.probes.processes import ProcessesProbe
 from stallwatch.probes.snapshot import Snapshot
 from stallwatch.probes.targets import Target

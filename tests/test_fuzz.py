@@ -26,7 +26,7 @@ from stallwatch.engine import load_rules
 from stallwatch.engine.rulefile import RuleLoadError
 from stallwatch.errors import UsageError
 from stallwatch.kernel.kmsgparse import parse_event, parse_record
-from stallwatch.probes.logs import LogProbe
+from stallwatch.probes.log import LogProbe
 from stallwatch.probes.server import parse_metrics
 from stallwatch.probes.text.progress import parse_progress
 

@@ -12,7 +12,7 @@ import pytest
 
 from stallwatch.clock import FakeClock
 from stallwatch.probes.base import DeadlineRunner, ProbeStatus
-from stallwatch.probes.logs import LogObs, LogProbe
+from stallwatch.probes.log import LogObs, LogProbe
 
 
 def bar(i: int, total: int = 100, elapsed: int | None = None, rate: str = " 1.00it/s") -> str:

@@ -43,7 +43,7 @@ from stallwatch.clock import FakeClock
 from stallwatch.engine.diagnose import load
 from stallwatch.engine import Evaluator
 from stallwatch.engine.features import CADENCE_MIN_SAMPLES, STALL_FLOOR_S, features
-from stallwatch.probes.logs import LogProbe
+from stallwatch.probes.log import LogProbe
 from stallwatch.probes.processes import IoObs, ProcessesObs, ProcessObs, ThreadObs
 from stallwatch.probes.snapshot import Snapshot
 from stallwatch.probes.targets import Target

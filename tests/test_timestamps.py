@@ -15,7 +15,7 @@ from stallwatch.clock import FakeClock
 from stallwatch.engine.diagnose import load
 from stallwatch.engine import Evaluator
 from stallwatch.engine.features import features, stall_threshold_s
-from stallwatch.probes.logs import LogProbe
+from stallwatch.probes.log import LogProbe
 from stallwatch.probes.processes import ProcessesProbe
 from stallwatch.probes.runqueue import RunQueueTracker
 from stallwatch.probes.snapshot import Snapshot

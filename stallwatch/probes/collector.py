@@ -16,12 +16,12 @@ from stallwatch.probes.base import DeadlineRunner, Probe, report_for_observation
 from stallwatch.probes.disks import DisksProbe
 from stallwatch.probes.gpu import GpuProbe
 from stallwatch.probes.kmsg import KernelLogProbe
-from stallwatch.probes.listener import ServerProcessesProbe
-from stallwatch.probes.logs import LogProbe
+from stallwatch.probes.log import LogProbe
 from stallwatch.probes.outputs import OutputsProbe
 from stallwatch.probes.processes import ProcessesObs, ProcessesProbe
 from stallwatch.probes.server import ServerProbe
 from stallwatch.probes.server_log import ServerLogProbe, stdio_log
+from stallwatch.probes.server_processes import ServerProcessesProbe
 from stallwatch.sglang.titles import parse_title
 from stallwatch.kernel.roots import DEFAULT_ROOTS, Roots
 from stallwatch.probes.snapshot import PROBE_FIELDS, Snapshot

@@ -8,7 +8,7 @@ HTTP server; `sglang.launch_server`, `sglang serve` and stallwatch's own
 `stallwatch.sglang.protocol_server` say so on their command lines. Then:
 
 - the **port** the server listens on: its LISTEN sockets in /proc/net/tcp{,6}, matched by inode
-  with the fds of the server's process tree (as stallwatch.probes.listener does);
+  with the fds of the server's process tree (as stallwatch.probes.server_processes does);
 - the **clients**: ESTABLISHED sockets whose remote port is that port, held by processes outside
   the server's tree (stallwatch's own processes excepted: a daemon's health checks are not a job);
 - the client's **log**: its stdout/stderr (fd 1/2) when they point to a regular file, else a

@@ -2,7 +2,7 @@
 
 Each poll opens the file, fstats it, reads from its remembered offset (at most a chunk budget)
 and closes it again. Closing every tick means a rotated or deleted log is never kept alive by us
-and a mount is never held busy. The log probe (probes/logs.py) and the server-log probe
+and a mount is never held busy. The log probe (probes/log.py) and the server-log probe
 (probes/server_log.py) read through it.
 """
 

@@ -16,7 +16,7 @@ from stallwatch.probes.base import ProbeReport, ProbeStatus
 from stallwatch.probes.disks import DisksObs
 from stallwatch.probes.gpu import GpuObs
 from stallwatch.probes.kmsg import KernelLogObs
-from stallwatch.probes.logs import LogObs
+from stallwatch.probes.log import LogObs
 from stallwatch.probes.outputs import OutputsObs
 from stallwatch.probes.processes import ProcessesObs
 from stallwatch.probes.server import ServerObs
