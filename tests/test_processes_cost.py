@@ -128,6 +128,74 @@ def test_idle_threads_are_not_read_again_and_report_the_same():
     assert any(t.syscall == "futex" for t in again.threads)
 
 
+def test_an_idle_thread_costs_one_read_of_its_schedstat():
+    """Past the first looks, an idle thread's schedstat is all a collect reads of it: its stat
+    only in its turn, one collect in STAT_EVERY_TICKS (processes.py says why that is enough)."""
+    if not has_schedstat():
+        pytest.skip("this kernel has no /proc/PID/task/TID/schedstat (CONFIG_SCHED_INFO)")
+    every = processes_mod.STAT_EVERY_TICKS
+    with job("pipe") as proc:
+        worker_of(proc)
+        probe = ProcessesProbe(Target(pids=(proc.pid,)), clock=FakeClock())
+        probe.collect()
+        probe.collect()
+        reads: list[str] = []
+        kept_read = probe._kept.read
+        probe._kept.read = lambda path: reads.append(path) or kept_read(path)
+        tids = sorted(int(t) for t in os.listdir(f"/proc/{proc.pid}/task"))
+        stats = []
+        for _ in range(every):
+            reads.clear()
+            probe.collect()
+            assert sorted(r for r in reads if r.endswith("/schedstat")) == sorted(
+                f"/proc/{proc.pid}/task/{t}/schedstat" for t in tids)
+            stats.append({int(r.split("/")[-2]) for r in reads if r.endswith("/stat")})
+    # Each thread's stat once over STAT_EVERY_TICKS collects, and nothing else read per thread.
+    assert sorted(t for s in stats for t in s) == tids
+    assert len(tids) == 10
+
+
+RENAMES_ITS_WORKER = r"""
+import sys, threading
+w = threading.Thread(target=threading.Event().wait, daemon=True)
+w.start()
+print(w.native_id, flush=True)
+sys.stdin.readline()
+with open(f"/proc/self/task/{w.native_id}/comm", "w") as f:  # only its own threads may
+    f.write("renamed-w")
+print("done", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_thread_renamed_by_another_is_seen_within_its_stat_turn():
+    """A change made to a thread without it running (its comm, written by a sibling; a wake-up
+    not yet given a CPU is the other) moves none of its schedstat: its stat turn bounds how
+    long the change goes unseen."""
+    if not has_schedstat():
+        pytest.skip("this kernel has no /proc/PID/task/TID/schedstat (CONFIG_SCHED_INFO)")
+    clock = FakeClock()
+    with spawned([sys.executable, "-c", RENAMES_ITS_WORKER], stdin=subprocess.PIPE,
+                 stdout=subprocess.PIPE) as proc:
+        tid = int(proc.stdout.readline())
+        wait_until(lambda: task_state(proc.pid, tid) == "S", what="the worker to sleep")
+        probe = ProcessesProbe(Target(pids=(proc.pid,)), clock=clock)
+        old = thread(probe, proc.pid, tid).comm
+        before = open(f"/proc/{proc.pid}/task/{tid}/schedstat").read()
+        go(proc)
+        assert proc.stdout.readline() == b"done\n"
+        comms = []
+        for _ in range(processes_mod.STAT_EVERY_TICKS):
+            clock.advance(1.0)
+            comms.append(thread(probe, proc.pid, tid).comm)
+        after = open(f"/proc/{proc.pid}/task/{tid}/schedstat").read()
+        go(proc)
+    assert before == after  # it did not run: only its turn could show the new name
+    every = processes_mod.STAT_EVERY_TICKS
+    turn = next(n for n in range(1, every + 1) if (tid + n) % every == 0)  # collect 0 was first
+    assert comms == [old] * (turn - 1) + ["renamed-w"] * (every - turn + 1), (turn, comms)
+
+
 def test_a_thread_that_ran_is_read_afresh_on_the_next_collect():
     """Asleep before and after, in another syscall: the same state letter, so only schedstat
     tells that it ran. utime+stime would not: it ran for microseconds."""

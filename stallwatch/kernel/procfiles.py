@@ -11,7 +11,9 @@ Kept descriptors live at or above FD_FLOOR (fcntl F_DUPFD_CLOEXEC), so that howe
 job needs, the daemon's own files keep the low numbers: select() fails on a descriptor past 1023,
 and code that uses it (the daemon's wake-up pipe, test rigs) must never be handed one because the
 cache grew. They are bounded by what lies between FD_FLOOR and the soft RLIMIT_NOFILE; past it,
-files are read the ordinary way. Those not read during a tick are closed by sweep().
+files are read the ordinary way. Those not read during the last `keep` sweeps (ticks) are closed
+by sweep(), or at once by release() when their owner knows the task is gone: an idle thread's
+stat is read one tick in eight, and must not be reopened each time.
 """
 
 from __future__ import annotations
@@ -38,11 +40,13 @@ def default_budget() -> int:
 
 
 class ProcFiles:
-    def __init__(self, roots: Roots, max_open: int | None = None) -> None:
+    def __init__(self, roots: Roots, max_open: int | None = None, keep: int = 1) -> None:
         self.roots = roots
         self.max_open = default_budget() if max_open is None else max_open
+        self.keep = keep  # sweeps a descriptor survives unread
         self._fds: dict[str, int] = {}
-        self._read: set[str] = set()  # read since the last sweep
+        self._sweeps = 0
+        self._read_at: dict[str, int] = {}  # path -> the sweep count when it was last read
         # The probe is replaced when a job restarts; its descriptors must not outlive it.
         self._finalizer = weakref.finalize(self, _close_all, self._fds)
 
@@ -72,18 +76,31 @@ class ProcFiles:
         try:
             data = os.pread(fd, READ_LIMIT, 0)
         except OSError as e:
-            del self._fds[path]
-            os.close(fd)
+            self.release(path)
             _raise_mapped(e, path)
-        self._read.add(path)
+        self._read_at[path] = self._sweeps
         return data
 
     def sweep(self) -> None:
-        """Close the descriptors of files not read since the last sweep (threads that ended,
-        processes that left the job)."""
-        for path in [p for p in self._fds if p not in self._read]:
-            os.close(self._fds.pop(path))
-        self._read = set()
+        """Close the descriptors of files not read during the last `keep` sweeps (threads that
+        ended, processes that left the job). It looks at them every `keep` sweeps only: a wide
+        job keeps thousands open, and most ticks nothing has ended."""
+        self._sweeps += 1
+        if self._sweeps % self.keep:
+            return
+        oldest = self._sweeps - self.keep
+        for path in [p for p, n in self._read_at.items() if n < oldest]:
+            del self._read_at[path]
+            fd = self._fds.pop(path, None)
+            if fd is not None:
+                os.close(fd)
+
+    def release(self, path: str) -> None:
+        """Close this file's descriptor now (its owner knows the task is gone)."""
+        self._read_at.pop(path, None)
+        fd = self._fds.pop(path, None)
+        if fd is not None:
+            os.close(fd)
 
     def __len__(self) -> int:
         return len(self._fds)

@@ -39,6 +39,12 @@ from stallwatch.kernel.roots import DEFAULT_ROOTS, Absent, Denied, Roots
 T = TypeVar("T")
 Role = Literal["target", "descendant"]
 
+# An idle thread's stat is re-read one tick in this many (in turn, by tid): the bound on how long
+# a letter changed from outside (a wake-up not yet given a CPU) or a comm renamed by another
+# thread goes unseen; see ProcessesProbe._thread.
+STAT_EVERY_TICKS = 8
+_UNREAD = object()  # a thread's schedstat not read by the tree walk this tick
+
 # Syscalls whose first argument is the fd they wait on, so a blocked thread can be tied to a file
 # or socket ("write on /data/x.ckpt", "recvfrom on the socket to :30000").
 FD_SYSCALLS = frozenset({
@@ -267,6 +273,8 @@ class _Tick:
     # Read by the tree walk at the start of the tick, reused by the thread reads after it.
     tids: dict[int, list[int]] = field(default_factory=dict)
     sched: dict[tuple[int, int], bytes | None] = field(default_factory=dict)
+    number: int = 0  # collects before this one: picks the idle threads whose stat is re-read
+    memos_seen: int = 0  # thread memos stamped this tick: _forget rebuilds only when some are stale
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,6 +389,8 @@ class ProcessesProbe:
         self._syscalls = procfs.SYSCALLS if syscall_table is None else syscall_table
         self._btime: int | None = None
         self._first_collect = True
+        self._collects = 0
+        self._tick_tracks = 0  # tracks stamped this collect (see _forget)
         self._job: dict[int, int] = dict(known_starts or {})  # pid -> start of target identities
         self._missing: set[int] = set()
         # Pinned identities start as members, so the first tick reports them exited if gone.
@@ -402,7 +412,7 @@ class ProcessesProbe:
             on_procfs = os.stat(self._proc).st_ino == 1
         except OSError:
             on_procfs = False
-        self._kept = ProcFiles(roots, None if on_procfs else 0)
+        self._kept = ProcFiles(roots, None if on_procfs else 0, keep=2 * STAT_EVERY_TICKS)
         self._cmdlines: dict[tuple[int, int, str], tuple[str, ...]] = {}
         self._ranks: dict[tuple[int, int], torchrun.RankInfo | None] = {}
         self._exits: list[_Exit] = []
@@ -431,7 +441,8 @@ class ProcessesProbe:
                 ))
 
     def collect(self) -> ProcessesObs:
-        tick = _Tick(now=self.clock.monotonic())
+        tick = _Tick(now=self.clock.monotonic(), number=self._collects)
+        self._collects, self._tick_tracks = self._collects + 1, 0
         stats = self._scan(tick)
         targets = self._resolve(stats)
         # Members stay in the tree while they live, even when reparented away from the job.
@@ -468,7 +479,7 @@ class ProcessesProbe:
         observed = self._torchrun(observed)
         self._notice_exits(members, tick.now)
         self._members = members
-        self._forget(stats, tick.now)
+        self._forget(stats, tick)
         self._kept.sweep()
         self._first_collect = False
 
@@ -575,18 +586,27 @@ class ProcessesProbe:
         sched_ok = self._has_schedstat(pid)
         while True:
             out: list[int] = []
-            for tid in tids:
-                d = self._pd(pid, tid)
-                sched = self._kept_or_none(f"{d}/schedstat") if sched_ok else None
-                if sched is None and sched_ok and not listed:
-                    break  # a thread is gone: the list changed, read it again
-                tick.sched[(pid, tid)] = sched
-                memo = self._kids.get((pid, tid))
+            memos, kids_memo, read = self._memos, self._kids, self._kept.read
+            for tid in tids:  # the hot loop of a wide job: kept short
+                key = (pid, tid)
+                sched = None
+                if sched_ok:
+                    m = memos.get(key)
+                    try:
+                        sched = read(m.sched_path if m is not None else
+                                     f"{self._proc}/{pid}/task/{tid}/schedstat")
+                    except (Absent, Denied):
+                        if not listed:
+                            break  # a thread is gone: the list changed, read it again
+                tick.sched[key] = sched
+                memo = kids_memo.get(key)
                 if not listed and sched is not None and memo is not None and memo[0] == sched:
-                    out.extend(memo[1])
+                    if memo[1]:
+                        out.extend(memo[1])
                     continue
                 try:
-                    kids = [int(k) for k in self.roots.read_small(f"{d}/children").split()]
+                    kids = [int(k) for k in self.roots.read_small(
+                        f"{self._proc}/{pid}/task/{tid}/children").split()]
                 except Absent:
                     continue
                 if sched is not None:
@@ -749,6 +769,7 @@ class ProcessesProbe:
     def _track(self, key: tuple[str, int, int], now: float, state: str, ctx: int,
                cpu: int) -> tuple[_Track, float, int | None]:
         """The task's memory, seconds since its last tick, CPU ticks since (None: first sight)."""
+        self._tick_tracks += 1
         tr = self._tracks.get(key)
         if tr is None:
             self._tracks[key] = _Track(now, now, state, now, ctx, now, cpu)
@@ -786,8 +807,15 @@ class ProcessesProbe:
         io = self._optional(f"{d}/io", procfs.parse_io, "io", tick.denied)
         cwd = self._link(f"{d}/cwd", "cwd", tick)
 
-        ctx_v = sum(t.voluntary_ctxt_switches for t in threads)
-        ctx_n = sum(t.nonvoluntary_ctxt_switches for t in threads)
+        ctx_v = ctx_n = 0
+        d_max, ran = 0.0, None  # the longest in D; the most recent run (last_ran_age_s)
+        for t in threads:  # one pass: a wide job's processes have hundreds
+            ctx_v += t.voluntary_ctxt_switches
+            ctx_n += t.nonvoluntary_ctxt_switches
+            if t.d_state_for_s > d_max:
+                d_max = t.d_state_for_s
+            if t.last_ran_age_s is not None and (ran is None or t.last_ran_age_s < ran):
+                ran = t.last_ran_age_s
         cpu_ticks = st.utime_ticks + st.stime_ticks
         tr, interval, cpu_delta = self._track(("p", pid, st.start_ticks), now, st.state,
                                               ctx_v + ctx_n, cpu_ticks)
@@ -810,9 +838,9 @@ class ProcessesProbe:
             start_ticks=st.start_ticks, start_time=self._start_time(st.start_ticks),
             comm=st.comm, argv=argv, cmdline=" ".join(argv), cwd=cwd,
             state=st.state, state_since_s=now - tr.state_at,
-            d_state_for_s=max(t.d_state_for_s for t in threads),
+            d_state_for_s=d_max,
             ctx_unchanged_for_s=now - tr.ctx_at, tracked_for_s=now - tr.first_at,
-            last_ran_age_s=_min_known(t.last_ran_age_s for t in threads),
+            last_ran_age_s=ran,
             wchan=leader.wchan if leader else None,
             voluntary_ctxt_switches=ctx_v, nonvoluntary_ctxt_switches=ctx_n,
             utime_s=st.utime_ticks / self._tck, stime_s=st.stime_ticks / self._tck,
@@ -832,31 +860,47 @@ class ProcessesProbe:
                 tick: _Tick) -> ThreadObs | None:
         """One thread, reading only what can have changed since the last tick.
 
-        Every tick reads its stat (state, CPU) and schedstat (nanoseconds on a CPU, times
-        scheduled in). A thread off-CPU whose schedstat did not move and whose state letter is
-        the same did not run since its last full reading, so its wait channel, syscall, kernel
-        stack, context switches and last-ran time are still those: they are reused. Its state
-        is never reused: stat is read every tick, and going to D or T takes running, which moves
-        schedstat. stat's utime+stime cannot be that signal: they move in 10 ms ticks, and a
-        thread that wakes for 50 µs a second would look idle for minutes. Without schedstat,
-        status's context switches are the signal (a sleeper that ran has switched out again).
-        The schedstat read comes first in the tick (the tree walk's, when it walked)."""
+        Every tick reads its schedstat (nanoseconds on a CPU, nanoseconds waiting for one, times
+        scheduled in). A thread off-CPU whose schedstat did not move did not run since its last
+        full reading, so its wait channel, syscall, kernel stack, context switches, CPU and
+        last-ran time are still those: they are reused. stat's utime+stime cannot be that
+        signal: they move in 10 ms ticks, and a thread that wakes for 50 µs a second would look
+        idle for minutes. Without schedstat, status's context switches are the signal (a sleeper
+        that ran has switched out again). The schedstat read comes first in the tick (the tree
+        walk's, when it walked).
+
+        Its stat is not read either then (one pread instead of two: rendering stat costs the
+        kernel three times schedstat's). Every way into D, S, T, t or Z is taken by the thread
+        itself, on a CPU: it sets its own state and then switches out, which moves schedstat's
+        run time and count. The one change made to a thread from outside is a wake-up (S, D or
+        T to R: try_to_wake_up sets TASK_RUNNING and queues it), and schedstat moves only once
+        it is scheduled in (sched_info_arrive): measured on kernel 6.18, a sleeper woken inside
+        a CFS-throttled cgroup read R with its schedstat unchanged until the next period. So
+        for a thread woken but not yet given a CPU the letter lags: the moment it runs, the
+        next collect reads it afresh; if it never gets a CPU, STAT_EVERY_TICKS bounds the lag
+        (each idle thread's stat is re-read in turn), and the same bound holds for a comm
+        changed from another thread (/proc/PID/task/TID/comm).
+        tests/test_processes_cost.py shows D, T and R entered by a thread seen on the very next
+        collect."""
         key = (pid, tid)
         memo = self._memos.get(key)
         if memo is not None and memo.sched_raw is not None:
             # The common case on a wide job, kept short: an idle thread, still idle.
-            sched = tick.sched[key] if key in tick.sched else self._kept_or_none(memo.sched_path)
+            sched = tick.sched.get(key, _UNREAD)
+            if sched is _UNREAD:
+                sched = self._kept_or_none(memo.sched_path)
             if sched == memo.sched_raw:
+                if (tid + tick.number) % STAT_EVERY_TICKS:
+                    return self._thread_idle(memo, fds, tick)
                 try:
                     raw = self._kept.read(memo.stat_path)
                 except (Absent, Denied):
                     return None
                 if raw == memo.stat_raw:
-                    return self._thread_again(memo, memo.stat, sched, fds, tick)
+                    return self._thread_idle(memo, fds, tick)
         d, now = self._pd(pid, tid), tick.now
-        if key in tick.sched:
-            sched = tick.sched[key]
-        else:
+        sched = tick.sched.get(key, _UNREAD)
+        if sched is _UNREAD:
             sched = self._kept_or_none(f"{d}/schedstat") if self._has_schedstat(pid) else None
         try:
             raw = self._kept.read(f"{d}/stat")
@@ -864,6 +908,8 @@ class ProcessesProbe:
                 self.roots.read_small(f"{d}/status").decode("utf-8", "replace"))
         except (Absent, Denied):  # gone since the listing, or hidden by hidepid
             return None
+        if sched is _UNREAD:
+            sched = None
         st = (memo.stat if memo is not None and memo.stat_raw == raw
               else procfs.parse_stat(raw.decode("utf-8", "replace")))
         # A running task has no wait channel or stable syscall, and unwinding its stack races
@@ -922,6 +968,33 @@ class ProcessesProbe:
         )
         self._memos[key] = _ThreadMemo(raw, st, sched if blocked else None, ctx, obs, exec_start,
                                        tuple(denied), now, tr, f"{d}/stat", f"{d}/schedstat")
+        tick.memos_seen += 1
+        return obs
+
+    def _thread_idle(self, memo: _ThreadMemo, fds: dict[int, str] | None,
+                     tick: _Tick) -> ThreadObs:
+        """A thread that did not run since `memo` (its schedstat, and its stat when read, are
+        the same bytes): its durations move on, nothing else does. No validation: every value
+        comes from a reading validated before. The hot loop of a wide job: kept short."""
+        now, old, tr = tick.now, memo.obs, memo.track
+        tr.seen_at = now  # _Track.step with the same state, switches and CPU
+        self._tick_tracks += 1
+        if memo.denied:
+            tick.denied.update(memo.denied)
+        since = now - tr.state_at
+        sc_fd = old.syscall_fd  # the fd table may have changed under it (another thread's close)
+        values = old.__dict__.copy()
+        values["state_since_s"] = since
+        values["d_state_for_s"] = since if old.state == "D" else 0.0
+        values["ctx_unchanged_for_s"] = now - tr.ctx_at
+        values["cpu_delta_s"] = 0.0
+        if sc_fd is not None:
+            values["syscall_file"] = fds.get(sc_fd) if fds is not None else None
+        if memo.exec_start_s is not None:
+            values["last_ran_age_s"] = self._last_ran_age(memo.exec_start_s, tick)
+        obs = _evolved(old, values)
+        memo.obs, memo.seen_at = obs, now
+        tick.memos_seen += 1
         return obs
 
     def _thread_again(self, memo: _ThreadMemo, st: procfs.Stat, sched: bytes | None,
@@ -930,6 +1003,7 @@ class ProcessesProbe:
         No validation: every value comes from a reading validated before."""
         now, old, tr = tick.now, memo.obs, memo.track
         _, cpu_delta = tr.step(now, st.state, sum(memo.ctx), st.utime_ticks + st.stime_ticks)
+        self._tick_tracks += 1
         if memo.denied:
             tick.denied.update(memo.denied)
         sc_fd = old.syscall_fd  # the fd table may have changed under it (another thread's close)
@@ -944,6 +1018,7 @@ class ProcessesProbe:
             "last_ran_age_s": self._last_ran_age(memo.exec_start_s, tick),
         })
         memo.obs, memo.stat, memo.sched_raw, memo.seen_at = obs, st, sched, now
+        tick.memos_seen += 1
         return obs
 
     def _last_ran_age(self, exec_start_s: float | None, tick: _Tick) -> float | None:
@@ -1064,14 +1139,27 @@ class ProcessesProbe:
                 for e in keep
             )
 
-    def _forget(self, stats: dict[int, procfs.Stat], now: float) -> None:
+    def _forget(self, stats: dict[int, procfs.Stat], tick: _Tick) -> None:
         """Drop memory of tasks that are gone, so a long run does not grow without bound."""
         live = {(p, s.start_ticks) for p, s in stats.items()}
         # Explicit pids keep their identity after death: that is how a reuse is recognised.
         self._job = {p: s for p, s in self._job.items() if p in self._explicit or (p, s) in live}
-        self._tracks = {k: v for k, v in self._tracks.items() if v.seen_at == now}
-        self._memos = {k: v for k, v in self._memos.items() if v.seen_at == now}
-        self._kids = {k: v for k, v in self._kids.items() if k in self._memos}
+        # Rebuilt only when some are stale: on a wide idle job nothing ends, and rebuilding
+        # three dicts of a thousand entries a tick was a tenth of the probe's cost.
+        # (Nothing is stamped twice in a tick: the counts equal the sizes only when all are.)
+        now = tick.now
+        if len(self._tracks) != self._tick_tracks:
+            self._tracks = {k: v for k, v in self._tracks.items() if v.seen_at == now}
+        if len(self._memos) != tick.memos_seen or len(self._kids) > len(self._memos):
+            memos: dict[tuple[int, int], _ThreadMemo] = {}
+            for k, m in self._memos.items():
+                if m.seen_at == now:
+                    memos[k] = m
+                else:  # ended, or no longer examined: its kept descriptors go with it
+                    self._kept.release(m.stat_path)
+                    self._kept.release(m.sched_path)
+            self._memos = memos
+            self._kids = {k: v for k, v in self._kids.items() if k in memos}
         self._tid_lists = {k: v for k, v in self._tid_lists.items() if k in live}
         self._cmdlines = {k: v for k, v in self._cmdlines.items() if (k[0], k[1]) in live}
         self._ranks = {k: v for k, v in self._ranks.items() if k in live}
@@ -1085,14 +1173,22 @@ def _evolve(obs: ThreadObs, update: dict) -> ThreadObs:
     goes through copy.copy for each of pydantic's four slots (1.8 µs); this sets them directly
     (0.7 µs). Every field is already set on a ThreadObs, so the fields-set is unchanged, and it
     has no extras or private attributes (tests/test_processes_cost.py compares the two)."""
-    new = object.__new__(ThreadObs)
     values = obs.__dict__.copy()
     values.update(update)
-    object.__setattr__(new, "__dict__", values)
-    object.__setattr__(new, "__pydantic_fields_set__", obs.__pydantic_fields_set__)
-    object.__setattr__(new, "__pydantic_extra__", None)
-    object.__setattr__(new, "__pydantic_private__", None)
+    return _evolved(obs, values)
+
+
+def _evolved(obs: ThreadObs, values: dict) -> ThreadObs:
+    """A ThreadObs like `obs` with these field values (all of them: a copy of its __dict__)."""
+    new = _new(ThreadObs)
+    _set(new, "__dict__", values)
+    _set(new, "__pydantic_fields_set__", obs.__pydantic_fields_set__)
+    _set(new, "__pydantic_extra__", None)
+    _set(new, "__pydantic_private__", None)
     return new
+
+
+_new, _set = object.__new__, object.__setattr__
 
 
 def _ctx(status: procfs.Status) -> tuple[int, int]:
