@@ -26,7 +26,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from rigs import (
     RigUnavailable,
     cpu_hogs,
     loop_ext4,
+    memory_cgroup,
     pin,
     shared_core,
     spawned,
@@ -275,51 +275,6 @@ def crash(at: int = 10, **_: object) -> Iterator[Rig]:
 
 
 # -- OOM in a memory cgroup
-
-
-@contextmanager
-def memory_cgroup(limit_bytes: int) -> Iterator[Path]:
-    """A fresh memory cgroup (v1 memory controller, or v2 with +memory), removed after.
-    The approach of tests/test_kmsg.py, raising RigUnavailable instead of skipping."""
-    name = f"stallwatch-rig-{uuid.uuid4().hex[:8]}"
-    v1, v2 = Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")
-    if os.geteuid() != 0:
-        raise RigUnavailable("a memory cgroup needs root")
-    if (v1 / "memory.limit_in_bytes").exists():
-        cg = v1 / name
-        limits = [("memory.limit_in_bytes", limit_bytes), ("memory.memsw.limit_in_bytes", limit_bytes)]
-    elif (v2 / "cgroup.subtree_control").exists() and \
-            "memory" in (v2 / "cgroup.subtree_control").read_text().split():
-        cg = v2 / name
-        limits = [("memory.max", limit_bytes), ("memory.swap.max", 0)]
-    else:
-        raise RigUnavailable("no memory cgroup controller (neither v1 memory nor v2 with +memory)")
-    try:
-        cg.mkdir()
-    except OSError as e:  # a container's read-only or delegated cgroup tree
-        raise RigUnavailable(f"cannot create a memory cgroup {cg}: {e}") from e
-    try:
-        for fname, value in limits:
-            if (cg / fname).exists():  # memsw/swap files exist only with swap accounting
-                (cg / fname).write_text(str(value))
-        yield cg
-    finally:
-        rmdir_cgroup(cg)
-
-
-def rmdir_cgroup(cg: Path, timeout_s: float = 10.0) -> None:
-    """Remove a cgroup whose tasks are being killed: EBUSY until the last one is fully gone."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            cg.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 @contextmanager

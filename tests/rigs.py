@@ -20,7 +20,8 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
+import uuid
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
@@ -183,6 +184,14 @@ class RigUnavailable(RuntimeError):
     """The machine cannot provide the rig (no loop device, mount refused): skip, don't fail."""
 
 
+def enter_or_skip(stack: contextlib.ExitStack, rig: AbstractContextManager[T]) -> T:
+    """Enter `rig` on `stack`, or skip the test saying why this machine cannot provide it."""
+    try:
+        return stack.enter_context(rig)
+    except RigUnavailable as e:
+        pytest.skip(f"rig unavailable here: {e}")
+
+
 def _run(*argv: str) -> str:
     r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     if r.returncode != 0:
@@ -265,6 +274,70 @@ def frozen_ext4(size_mb: int = 16, max_frozen_s: float = 60.0) -> Iterator[tuple
         finally:
             timer.cancel()
             fs.thaw()
+
+
+# ------------------------------------------------------------------------- captured roots
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+# One root per capture, laid out as the kernel shows it (proc/, sys/, dev/kmsg): read it with
+# Roots.under(root). tests/fixtures/README.md says what each holds and how it was captured.
+HOST1 = FIXTURES / "host1"
+OOM_MEMCG_V1 = FIXTURES / "oom_memcg_v1"
+
+
+def capture_copy(root: Path, dest: Path) -> Path:
+    """A writable copy of a captured root (links kept as links), for tests that append to its
+    kernel log or change its files; the capture itself is never written."""
+    shutil.copytree(root, dest, symlinks=True)
+    return dest
+
+
+# ------------------------------------------------------------------------- memory cgroup
+
+
+@contextmanager
+def memory_cgroup(limit_bytes: int) -> Iterator[Path]:
+    """A fresh memory cgroup (v1 memory controller, or v2 with +memory), removed after; a real
+    OOM kill happens in it. RigUnavailable where the machine has none (enter_or_skip)."""
+    name = f"stallwatch-rig-{uuid.uuid4().hex[:8]}"
+    v1, v2 = Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")
+    if os.geteuid() != 0:
+        raise RigUnavailable("a memory cgroup needs root")
+    if (v1 / "memory.limit_in_bytes").exists():
+        cg = v1 / name
+        limits = [("memory.limit_in_bytes", limit_bytes), ("memory.memsw.limit_in_bytes", limit_bytes)]
+    elif (v2 / "cgroup.subtree_control").exists() and \
+            "memory" in (v2 / "cgroup.subtree_control").read_text().split():
+        cg = v2 / name
+        limits = [("memory.max", limit_bytes), ("memory.swap.max", 0)]
+    else:
+        raise RigUnavailable("no memory cgroup controller (neither v1 memory nor v2 with +memory)")
+    try:
+        cg.mkdir()
+    except OSError as e:  # a container's read-only or delegated cgroup tree
+        raise RigUnavailable(f"cannot create a memory cgroup {cg}: {e}") from e
+    try:
+        for fname, value in limits:
+            if (cg / fname).exists():  # memsw/swap files exist only with swap accounting
+                (cg / fname).write_text(str(value))
+        yield cg
+    finally:
+        rmdir_cgroup(cg)
+
+
+def rmdir_cgroup(cg: Path, timeout_s: float = 10.0) -> None:
+    """Remove a cgroup whose tasks are being killed: EBUSY until the last one is fully gone."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            cg.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 # ------------------------------------------------------------------------------ fake /proc

@@ -26,7 +26,7 @@ from typing import Iterator
 
 import pytest
 from attackrig import MODES, OTHER, AttackRig
-from faultrigs import rmdir_cgroup
+from rigs import rmdir_cgroup
 from test_alerts_http import Receiver
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]

@@ -1,9 +1,8 @@
-"""Disk parsers and the disks probe on a captured fixture tree (tests/fixtures/disks/host1)."""
+"""Disk parsers and the disks probe on a captured fixture root (tests/fixtures/host1)."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -19,7 +18,8 @@ from stallwatch.probes.base import ProbeStatus
 from stallwatch.probes.disks import DisksObs, DisksProbe
 from stallwatch.kernel.roots import Roots
 
-HOST1 = Path(__file__).parent / "fixtures" / "disks" / "host1"
+from rigs import HOST1, capture_copy
+
 WORK = "/tmp/sw fixture k1x628j_"  # the capture's temporary directory, as the fixture records it
 
 
@@ -172,9 +172,7 @@ class FakeStatvfs:
 
 @pytest.fixture
 def tree(tmp_path: Path) -> Path:
-    dst = tmp_path / "host1"
-    shutil.copytree(HOST1, dst, symlinks=True)
-    return dst
+    return capture_copy(HOST1, tmp_path / "host1")
 
 
 def write_diskstats(tree: Path, line_for: dict[str, str]) -> None:

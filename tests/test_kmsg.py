@@ -1,4 +1,5 @@
-"""Kernel log: record and event parsers, the reader on text dumps, and a real OOM kill (root)."""
+"""Kernel log: record and event parsers, the reader on captured roots (tests/fixtures/host1,
+tests/fixtures/oom_memcg_v1), and a real OOM kill (root)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,8 @@ import os
 import subprocess
 import sys
 import time
-import uuid
-from contextlib import contextmanager
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -19,23 +18,13 @@ from stallwatch.probes.base import ProbeStatus
 from stallwatch.probes.kmsg import KernelLogObs, KernelLogProbe
 from stallwatch.kernel.roots import Roots
 
-FIXTURES = Path(__file__).parent / "fixtures" / "kmsg"
+from rigs import HOST1, OOM_MEMCG_V1, capture_copy, enter_or_skip, memory_cgroup
 
 
 def ev(line: str):
     rec = parse_record(line)
     assert rec is not None, line
     return parse_event(rec, boot_wall_time=1_000_000.0)
-
-
-def fixture_tree(tmp_path: Path, *names: str, btime: int = 1795989902) -> Path:
-    (tmp_path / "dev").mkdir()
-    (tmp_path / "proc").mkdir()
-    (tmp_path / "proc" / "stat").write_text(f"cpu  1 2 3 4\nbtime {btime}\nprocesses 10\n")
-    with open(tmp_path / "dev" / "kmsg", "w") as out:
-        for n in names:
-            out.write((FIXTURES / n).read_text())
-    return tmp_path
 
 
 # -- records ---------------------------------------------------------------------------------------
@@ -117,7 +106,7 @@ def test_userspace_lines_are_not_kernel_events() -> None:
 
 def test_parser_merges_the_two_lines_of_one_oom_kill() -> None:
     p = KernelEventParser()
-    recs = [parse_record(ln) for ln in (FIXTURES / "oom_memcg_v1.kmsg").read_text().splitlines()
+    recs = [parse_record(ln) for ln in Roots.under(OOM_MEMCG_V1).kmsg.read_text().splitlines()
             if not ln.startswith(" ")]
     events = [e for r in recs for e in p.feed(r)] + p.end_batch() + p.end_batch()
     (kill,) = events
@@ -137,11 +126,10 @@ def test_parser_emits_a_lone_summary_after_a_batch() -> None:
     assert [e.pid for e in out] == [5, 6]
 
 
-# -- the probe on a text dump ------------------------------------------------------------------------
+# -- the probe on a captured root ---------------------------------------------------------------------
 
-def test_probe_history_reads_fixture_and_rings(tmp_path: Path) -> None:
-    tree = fixture_tree(tmp_path, "mixed.kmsg")
-    probe = KernelLogProbe(roots=Roots.under(tree), clock=FakeClock(), history=True, ring_size=5)
+def test_probe_history_reads_fixture_and_rings() -> None:
+    probe = KernelLogProbe(roots=Roots.under(HOST1), clock=FakeClock(), history=True, ring_size=5)
     obs = probe.collect()
     assert obs.status is ProbeStatus.ok and obs.cursor == 642 and obs.prev_cursor is None
     assert obs.records_read == 25  # continuation lines are part of their record
@@ -156,9 +144,9 @@ def test_probe_history_reads_fixture_and_rings(tmp_path: Path) -> None:
 
 
 def test_probe_tails_from_the_end_and_keeps_its_cursor(tmp_path: Path) -> None:
-    tree = fixture_tree(tmp_path, "mixed.kmsg")
-    kmsg = tree / "dev" / "kmsg"
-    probe = KernelLogProbe(roots=Roots.under(tree), clock=FakeClock())
+    roots = Roots.under(capture_copy(HOST1, tmp_path / "host1"))
+    kmsg = roots.kmsg
+    probe = KernelLogProbe(roots=roots, clock=FakeClock())
     first = probe.collect()
     assert first.status is ProbeStatus.ok and first.records_read == 0 and first.events == ()
     with open(kmsg, "a") as f:
@@ -175,9 +163,8 @@ def test_probe_tails_from_the_end_and_keeps_its_cursor(tmp_path: Path) -> None:
     assert obs.counts == {"hung_task": 1, "block_io_error": 1}
 
 
-def test_probe_resumes_after_a_stored_cursor(tmp_path: Path) -> None:
-    tree = fixture_tree(tmp_path, "mixed.kmsg")
-    obs = KernelLogProbe(roots=Roots.under(tree), clock=FakeClock(), cursor=630).collect()
+def test_probe_resumes_after_a_stored_cursor() -> None:
+    obs = KernelLogProbe(roots=Roots.under(HOST1), clock=FakeClock(), cursor=630).collect()
     assert [e.seq for e in obs.events] == [641]  # 631 is userspace; 640+641 are one OOM kill
 
 
@@ -216,39 +203,6 @@ def test_probe_denied_for_an_unprivileged_user() -> None:
 
 # -- live: a real OOM kill in a memory cgroup --------------------------------------------------------
 
-@contextmanager
-def memory_cgroup(limit_bytes: int) -> Iterator[Path]:
-    """A fresh memory cgroup (v1 memory controller, or v2 with memory enabled), removed after."""
-    name = f"stallwatch-test-{uuid.uuid4().hex[:8]}"
-    v1 = Path("/sys/fs/cgroup/memory")
-    v2 = Path("/sys/fs/cgroup")
-    if (v1 / "memory.limit_in_bytes").exists():
-        cg = v1 / name
-        cg.mkdir()
-        limits = [("memory.limit_in_bytes", limit_bytes), ("memory.memsw.limit_in_bytes", limit_bytes)]
-    elif "memory" in (v2 / "cgroup.subtree_control").read_text() if (v2 / "cgroup.subtree_control").exists() else False:
-        cg = v2 / name
-        cg.mkdir()
-        limits = [("memory.max", limit_bytes), ("memory.swap.max", 0)]
-    else:
-        pytest.skip("no memory cgroup controller (neither v1 memory nor v2 with +memory)")
-    try:
-        for fname, value in limits:
-            if (cg / fname).exists():  # memsw/swap files exist only with swap accounting
-                (cg / fname).write_text(str(value))
-        yield cg
-    finally:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                cg.rmdir()
-                break
-            except OSError:  # EBUSY until the killed task is fully gone
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
-
 @pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root: creates a memory cgroup and reads /dev/kmsg")
 def test_real_oom_kill_is_reported_with_the_victims_pid() -> None:
@@ -256,7 +210,8 @@ def test_real_oom_kill_is_reported_with_the_victims_pid() -> None:
     first = probe.collect()  # opened at the end of the log, before the OOM happens
     if first.status is not ProbeStatus.ok:
         pytest.skip(f"/dev/kmsg not readable here: {first.error}")
-    with memory_cgroup(64 << 20) as cg:
+    with ExitStack() as stack:
+        cg = enter_or_skip(stack, memory_cgroup(64 << 20))
         r, w = os.pipe()
         # The child blocks on the pipe until it is inside the cgroup, then touches 512 MiB.
         child = subprocess.Popen(

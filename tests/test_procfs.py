@@ -1,5 +1,5 @@
-"""The /proc parsers on real files captured from a kernel (tests/fixtures/proc, made by
-tools/capture_proc_fixtures.py), and the processes probe reading that captured tree.
+"""The /proc parsers on real files captured from a kernel (tests/fixtures/host1/proc, made by
+tools/capture_fixtures.py), and the processes probe reading that captured root.
 
 pids.json says which captured pid plays which part: a server whose comm has spaces and
 parentheses, a client blocked in recvfrom on its connections to it, a writer in D on a frozen
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 
@@ -21,9 +20,10 @@ from stallwatch.kernel.syscalls_aarch64 import SYSCALLS as AARCH64
 from stallwatch.kernel.syscalls_x86_64 import SYSCALLS as X86_64
 from stallwatch.probes.targets import Target
 
-FIXTURES = Path(__file__).parent / "fixtures"
-PROC = FIXTURES / "proc"
-PIDS: dict[str, int] = json.loads((PROC / "pids.json").read_text())
+from rigs import HOST1
+
+PROC = HOST1 / "proc"
+PIDS: dict[str, int] = json.loads((HOST1 / "pids.json").read_text())
 
 
 def text(role: str, name: str, tid: int | None = None) -> str:
@@ -236,7 +236,7 @@ def test_table_follows_the_machine():
 
 
 def probe_for(role: str) -> ProcessesProbe:
-    return ProcessesProbe(Target(pids=(PIDS[role],)), roots=Roots.under(FIXTURES),
+    return ProcessesProbe(Target(pids=(PIDS[role],)), roots=Roots.under(HOST1),
                           syscall_table=X86_64, self_pid=None, clk_tck=100)
 
 
@@ -271,7 +271,7 @@ def test_probe_reads_the_zombie_and_its_parent():
 
 
 def test_sched_exec_start_from_a_real_capture():
-    text = (FIXTURES / "sched" / "exec_start.txt").read_text()
+    text = (PROC / "self" / "sched").read_text()  # what `cat /proc/self/sched` printed
     v = procfs.parse_sched_exec_start_s(text)
     want = float(next(l for l in text.splitlines() if l.startswith("se.exec_start")).split(":")[1])
     assert v == pytest.approx(want / 1000.0)
