@@ -313,6 +313,11 @@ def test_kept_files_stay_within_their_budget_and_fail_like_reads(tmp_path):
     assert kept >= FD_FLOOR  # clear of the numbers select() can take
     stop.set()
     t.join()
+    # join() returns once Python is done with the thread, before the kernel task has exited:
+    # until then its stat still reads. Under load that gap lasted long enough for half of 500
+    # runs beside three busy loops to read it. The task directory goes when the kernel
+    # releases the task, and a kept descriptor fails (ESRCH) from that same moment.
+    wait_until(lambda: task_state(me, tid) is None, what=f"thread {tid} to leave the kernel")
     with pytest.raises(Absent):  # the thread ended: its kept descriptor says so, and is closed
         files.read(f"/proc/{me}/task/{tid}/stat")
     assert len(files) == 0
