@@ -43,7 +43,6 @@ import os
 import re
 import shutil
 import signal
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -53,6 +52,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
+
+from rigs import query_state
 
 ROOT = Path(__file__).resolve().parents[1]
 UNIT = ROOT / "systemd" / "stallwatch.service"
@@ -293,17 +294,7 @@ evidence = false
     # ----------------------------------------------------------------------- the state db
 
     def q(self, sql: str, args: tuple = ()) -> list[dict[str, Any]]:
-        db = self.state / "stallwatch.db"
-        if not db.exists():
-            return []
-        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
-        try:
-            cur = conn.execute(sql, args)
-            return [{d[0]: v for d, v in zip(cur.description, r)} for r in cur.fetchall()]
-        except sqlite3.OperationalError:
-            return []
-        finally:
-            conn.close()
+        return query_state(self.state, sql, args)
 
     def job(self, name: str) -> dict[str, Any] | None:
         rows = self.q("SELECT * FROM jobs WHERE name = ?", (name,))

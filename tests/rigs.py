@@ -15,6 +15,7 @@ import os
 import select
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -24,7 +25,7 @@ import uuid
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import pytest
 
@@ -461,6 +462,27 @@ def cpu_hogs(core: int, n: int = 1) -> Iterator[list[subprocess.Popen]]:
         for h in hogs:
             pin(h.pid, core)
         yield hogs
+
+
+# -------------------------------------------------------------------- the daemon's state db
+
+
+def query_state(state_dir: Path, sql: str, args: tuple = ()) -> list[dict[str, Any]]:
+    """Rows of a daemon's state database (STATE_DIR/stallwatch.db), read-only, as dicts in column
+    order; [] while there is none yet or it cannot be read yet: a daemon under load creates the
+    file well before its tables ("no such table"), and a test that polls must not take that
+    moment for an answer. Assertions on a database at rest read it the same way."""
+    db = Path(state_dir) / "stallwatch.db"
+    if not db.exists():
+        return []
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
+    try:
+        cur = conn.execute(sql, args)
+        return [{d[0]: v for d, v in zip(cur.description, row)} for row in cur.fetchall()]
+    except sqlite3.OperationalError:
+        return []
+    finally:
+        conn.close()
 
 
 # ------------------------------------------------------------------------- one-shot diagnosis

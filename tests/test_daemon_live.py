@@ -28,6 +28,8 @@ import pytest
 
 from stallwatch.actions.filecheck import validate_file
 
+from rigs import query_state
+
 ROOT = Path(__file__).resolve().parents[1]
 WRITER = ROOT / "tests" / "jobs" / "pt_writer.py"
 
@@ -155,16 +157,7 @@ kill_grace_s = 1
     # -- state database
 
     def q(self, sql: str, args: tuple = ()) -> list[dict[str, Any]]:
-        if not (self.state / "stallwatch.db").exists():
-            return []
-        conn = sqlite3.connect(f"file:{self.state / 'stallwatch.db'}?mode=ro", uri=True, timeout=10)
-        try:
-            cur = conn.execute(sql, args)
-            return [{d[0]: v for d, v in zip(cur.description, r)} for r in cur.fetchall()]
-        except sqlite3.OperationalError:
-            return []  # the schema is being created
-        finally:
-            conn.close()
+        return query_state(self.state, sql, args)
 
     def job(self, name: str = "extract") -> dict[str, Any] | None:
         rows = self.q("SELECT * FROM jobs WHERE name = ?", (name,))

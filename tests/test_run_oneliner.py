@@ -29,6 +29,7 @@ import pyte
 import pytest
 
 from stallwatch.engine.history import from_docs, sparkline_text, sparklines
+from rigs import query_state
 from test_alerts_http import SLACK_PATH, receiver_factory  # noqa: F401 - a fixture
 from test_daemon_live import fast_rules, scan_writers
 
@@ -142,13 +143,7 @@ def rules(tmp_path: Path) -> Path:
 
 
 def db_rows(state: Path, sql: str) -> list[tuple]:
-    import sqlite3
-
-    con = sqlite3.connect(f"file:{state / 'stallwatch.db'}?mode=ro", uri=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
+    return [tuple(row.values()) for row in query_state(state, sql)]
 
 
 # ------------------------------------------------------------------------------- on a terminal
@@ -471,8 +466,9 @@ rules = [{json.dumps(str(rules))}]
                              stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
-        while not (state / "stallwatch.db").exists() or not db_rows(
-                state, "select pid from jobs where phase = 'running' and mode = 'command'"):
+        # Polled through query_state: a loaded daemon creates the database file well before its
+        # tables, and reading it in that moment ("no such table") failed this test in CI.
+        while not db_rows(state, "select pid from jobs where phase = 'running' and mode = 'command'"):
             assert time.monotonic() < deadline and first.poll() is None, "no restart within 60 s"
             time.sleep(0.1)
         first.kill()
