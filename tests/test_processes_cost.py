@@ -17,7 +17,7 @@ from rigs import (FakeProc, frozen_ext4, root, spawned,  # noqa: F401 (root is a
                   task_state, wait_until)
 
 from stallwatch.clock import FakeClock
-from stallwatch.probes import processes as processes_mod
+from stallwatch.probes import processes_threads as threads_mod
 from stallwatch.probes.processes import ProcessesProbe, ThreadObs
 from stallwatch.kernel.roots import Roots
 from stallwatch.probes.targets import Target
@@ -130,10 +130,10 @@ def test_idle_threads_are_not_read_again_and_report_the_same():
 
 def test_an_idle_thread_costs_one_read_of_its_schedstat():
     """Past the first looks, an idle thread's schedstat is all a collect reads of it: its stat
-    only in its turn, one collect in STAT_EVERY_TICKS (processes.py says why that is enough)."""
+    only in its turn, one collect in STAT_EVERY_TICKS (processes_threads.py says why that is enough)."""
     if not has_schedstat():
         pytest.skip("this kernel has no /proc/PID/task/TID/schedstat (CONFIG_SCHED_INFO)")
-    every = processes_mod.STAT_EVERY_TICKS
+    every = threads_mod.STAT_EVERY_TICKS
     with job("pipe") as proc:
         worker_of(proc)
         probe = ProcessesProbe(Target(pids=(proc.pid,)), clock=FakeClock())
@@ -185,13 +185,13 @@ def test_a_thread_renamed_by_another_is_seen_within_its_stat_turn():
         go(proc)
         assert proc.stdout.readline() == b"done\n"
         comms = []
-        for _ in range(processes_mod.STAT_EVERY_TICKS):
+        for _ in range(threads_mod.STAT_EVERY_TICKS):
             clock.advance(1.0)
             comms.append(thread(probe, proc.pid, tid).comm)
         after = open(f"/proc/{proc.pid}/task/{tid}/schedstat").read()
         go(proc)
     assert before == after  # it did not run: only its turn could show the new name
-    every = processes_mod.STAT_EVERY_TICKS
+    every = threads_mod.STAT_EVERY_TICKS
     turn = next(n for n in range(1, every + 1) if (tid + n) % every == 0)  # collect 0 was first
     assert comms == [old] * (turn - 1) + ["renamed-w"] * (every - turn + 1), (turn, comms)
 
@@ -347,7 +347,7 @@ def test_evolve_is_model_copy():
                   syscall="futex", syscall_nr=202, syscall_args=(1, 2, 3, 4, 5, 6),
                   stack=("futex_wait_queue", "do_futex"), last_ran_age_s=2.0)
     update = {"state_since_s": 3.0, "cpu_delta_s": 0.0, "last_ran_age_s": 4.0}
-    a, b = processes_mod._evolve(t, update), t.model_copy(update=update)
+    a, b = threads_mod._evolve(t, update), t.model_copy(update=update)
     assert a == b and a.model_dump_json() == b.model_dump_json()
     assert a.model_fields_set == b.model_fields_set and t.state_since_s == 1.0
     with pytest.raises(Exception):

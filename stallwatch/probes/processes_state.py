@@ -1,0 +1,146 @@
+"""What the processes probe remembers between ticks, and its per-tick scratch and caps (moved out
+of probes/processes.py as they were)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+from stallwatch.kernel import procfs
+from stallwatch.kernel.roots import Absent, Denied, Roots
+from stallwatch.probes.processes_obs import Role, ThreadObs
+
+
+@dataclass(slots=True)
+class _Track:
+    """What one task looked like at the last tick, to turn counters into durations."""
+
+    first_at: float
+    seen_at: float
+    state: str
+    state_at: float
+    ctx: int
+    ctx_at: float
+    cpu_ticks: int
+    io_total: int | None = None
+    io_at: float = 0.0
+
+    def step(self, now: float, state: str, ctx: int, cpu_ticks: int) -> tuple[float, int]:
+        """Move to this tick; returns (seconds since the last tick, CPU ticks used since)."""
+        if state != self.state:
+            self.state, self.state_at = state, now
+        if ctx != self.ctx:
+            self.ctx, self.ctx_at = ctx, now
+        interval, cpu = now - self.seen_at, cpu_ticks - self.cpu_ticks
+        self.seen_at, self.cpu_ticks = now, cpu_ticks
+        return interval, cpu
+
+
+@dataclass(slots=True)
+class _Exit:
+    pid: int
+    start_ticks: int | None
+    role: Role
+    noticed_mono: float
+    noticed_at: float
+    comm: str | None = None
+    cmdline: str | None = None
+    start_time: float | None = None
+    last_state: str | None = None
+    returncode: int | None = None
+    source: Literal["waitpid", "zombie"] | None = None
+
+
+@dataclass(slots=True)
+class _Member:
+    """A process of the tree as last seen; what an exit report needs once it is gone."""
+
+    role: Role
+    comm: str | None
+    cmdline: str | None = None
+    start_time: float | None = None
+    state: str | None = None
+    returncode: int | None = None  # from the zombie's exit_code, if we saw it as one
+
+
+@dataclass(slots=True)
+class _ThreadMemo:
+    """A thread's last full reading, reused while it provably did not run (see _thread)."""
+
+    stat_raw: bytes
+    stat: procfs.Stat
+    sched_raw: bytes | None  # its schedstat when read; None: not read (running, or no schedstat)
+    ctx: tuple[int, int]  # voluntary, nonvoluntary context switches
+    obs: ThreadObs
+    exec_start_s: float | None  # se.exec_start: fixed while it does not run
+    denied: tuple[str, ...]  # signals refused at that reading, reported again with it
+    seen_at: float
+    track: _Track
+    stat_path: str
+    sched_path: str
+
+
+@dataclass
+class _Tick:
+    now: float
+    denied: set[str] = field(default_factory=set)
+    net: dict[str, dict[int, procfs.TcpSocket]] = field(default_factory=dict)
+    uptime_s: float | None = None
+    # Read by the tree walk at the start of the tick, reused by the thread reads after it.
+    tids: dict[int, list[int]] = field(default_factory=dict)
+    sched: dict[tuple[int, int], bytes | None] = field(default_factory=dict)
+    number: int = 0  # collects before this one: picks the idle threads whose stat is re-read
+    memos_seen: int = 0  # thread memos stamped this tick: _forget rebuilds only when some are stale
+
+
+@dataclass(frozen=True, slots=True)
+class _Caps:
+    """How much of one job's tree a tick examines: at most `processes` processes and `threads`
+    threads in all (a process's own `max_threads` still applies), within `budget_s` seconds of
+    the tick's start (None: no time budget). Targets come first in the tree's order, so the
+    job's own processes are always among those examined."""
+
+    processes: int
+    threads: int
+    budget_s: float | None
+
+    def start(self, now: float) -> _Budget:
+        return _Budget(self, now)
+
+
+@dataclass(slots=True)
+class _Budget:
+    caps: _Caps
+    t0: float
+    processes: int = 0
+    threads: int = 0
+    reason: str = ""  # why the tick stopped examining: the first cap it hit
+
+    def admit(self, num_threads: int, per_process: int, now: float, target: bool) -> int:
+        """How many threads of the next process to examine; 0: none, it is past a cap. The
+        job's own processes (targets) are examined whatever the time spent."""
+        c = self.caps
+        if self.reason:
+            return 0
+        if self.processes >= c.processes:
+            self.reason = f"more than max_processes = {c.processes}"
+        elif self.threads >= c.threads:
+            self.reason = f"more than max_threads = {c.threads} in all"
+        elif not target and c.budget_s is not None and now - self.t0 > c.budget_s:
+            self.reason = f"the processes probe's time budget ({c.budget_s:g} s) spent"
+        if self.reason:
+            return 0
+        self.processes += 1
+        return max(1, min(per_process, c.threads - self.threads, max(num_threads, 1)))
+
+    def used(self, threads: int) -> None:
+        self.threads += threads
+
+
+def uid_of(roots: Roots, pid: int) -> int | None:
+    """A process's real uid (the first Uid field of its status); None when unreadable."""
+    try:
+        return procfs.parse_status(roots.read_text(f"{os.fspath(roots.proc)}/{pid}/status")).uid
+    except (Absent, Denied, ValueError, KeyError, IndexError):
+        return None

@@ -1,0 +1,247 @@
+"""The processes probe's tree walk: which processes are the job (explicit pids, --match), and their
+descendants, found through the kernel's per-thread `children` lists or a scan of /proc (moved
+out of probes/processes.py as they were).
+
+A mixin of ProcessesProbe: it uses the probe's roots, clock, _proc, _memos, _kids, _tid_lists,
+_kept, _stat_cache, _cmdlines and the target settings that ProcessesProbe.__init__ sets."""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from typing import Iterable
+
+from stallwatch.kernel import procfs
+from stallwatch.kernel.roots import Absent, Denied
+from stallwatch.probes.processes_state import _Tick, uid_of
+
+
+class TreeWalk:
+    def _pd(self, pid: int, tid: int | None = None) -> str:
+        """roots.pid_dir() as a string."""
+        return f"{self._proc}/{pid}" if tid is None else f"{self._proc}/{pid}/task/{tid}"
+
+    # Finding new descendants by reading every /proc/*/stat costs ~11 µs per process on the
+    # host each tick (20 ms on a 2,000-process GPU node); the kernel's per-thread `children`
+    # lists give the job's tree alone. They are documented as possibly missing a child forked
+    # while they are read, so a full scan still runs every FULL_SCAN_EVERY_S, and always for
+    # --match (which must look at every command line) and at the first look.
+    FULL_SCAN_EVERY_S = 10.0
+
+    def _scan(self, tick: _Tick) -> dict[int, procfs.Stat]:
+        now = self.clock.monotonic()
+        # A tree past the caps costs less through one stat per host process than through the
+        # `children` list of each of its threads.
+        if (self._match is None and not self._first_collect and not self._wide
+                and self._children_readable()
+                and self._full_scan_at is not None and now - self._full_scan_at < self.FULL_SCAN_EVERY_S):
+            stats = self._scan_tree(tick)
+            if stats is not None:
+                return stats
+        self._full_scan_at = now
+        return self._scan_all()
+
+    def _children_readable(self) -> bool:
+        if self._children_ok is None:
+            me = os.getpid()
+            self._children_ok = os.path.isfile(f"{self._proc}/{me}/task/{me}/children")
+        return self._children_ok
+
+    def _scan_tree(self, tick: _Tick) -> dict[int, procfs.Stat] | None:
+        """The stat of every member and explicit pid and of the children the kernel lists for
+        their threads, recursively; None when a list cannot be read (then: a full scan).
+
+        A thread's children list changes when it forks, which it must run to do, or when a
+        sibling exits and hands its children over, which changes the thread list: so a list is
+        re-read only for a thread whose schedstat moved, or when its process's threads changed.
+        Those schedstat readings are the tick's first look at each thread; _thread reuses them."""
+        cache, self._stat_cache = self._stat_cache, {}
+        stats: dict[int, procfs.Stat] = {}
+        queue = list(dict.fromkeys([*self._explicit, *self._job, *(p for p, _ in self._members)]))
+        seen: set[int] = set()
+        while queue:
+            pid = queue.pop()
+            if pid in seen:
+                continue
+            seen.add(pid)
+            st = self._read_stat(pid, cache)
+            if st is None:
+                continue
+            stats[pid] = st
+            try:
+                kids = self._children_of(st, tick)
+            except Absent:
+                continue  # exited meanwhile
+            except Denied:
+                return None
+            queue.extend(kids)
+        return stats
+
+    def _children_of(self, st: procfs.Stat, tick: _Tick) -> list[int]:
+        pid, listed = st.pid, False
+        tids = self._cached_tids(st)
+        if tids is None:
+            tids, listed = self._list_tids(st), True
+        sched_ok = self._has_schedstat(pid)
+        while True:
+            out: list[int] = []
+            memos, kids_memo, read = self._memos, self._kids, self._kept.read
+            for tid in tids:  # the hot loop of a wide job: kept short
+                key = (pid, tid)
+                sched = None
+                if sched_ok:
+                    m = memos.get(key)
+                    try:
+                        sched = read(m.sched_path if m is not None else
+                                     f"{self._proc}/{pid}/task/{tid}/schedstat")
+                    except (Absent, Denied):
+                        if not listed:
+                            break  # a thread is gone: the list changed, read it again
+                tick.sched[key] = sched
+                memo = kids_memo.get(key)
+                if not listed and sched is not None and memo is not None and memo[0] == sched:
+                    if memo[1]:
+                        out.extend(memo[1])
+                    continue
+                try:
+                    kids = [int(k) for k in self.roots.read_small(
+                        f"{self._proc}/{pid}/task/{tid}/children").split()]
+                except Absent:
+                    continue
+                if sched is not None:
+                    self._kids[(pid, tid)] = (sched, kids)
+                out.extend(kids)
+            else:
+                if listed or sched_ok:  # every thread of a remembered list was read: it holds
+                    tick.tids[pid] = tids
+                return out
+            tids, listed = self._list_tids(st), True
+
+    # A process's thread list is re-listed when stat's thread count moves, or when a thread of
+    # the remembered list is gone (one ended and another began between two ticks: the count
+    # alone would not show it). Directory metadata is no cheaper signal: /proc/PID/task's mtime
+    # is the inode's creation time and never moves, and its link count is 2 + the thread count,
+    # the number stat already gives (checked on kernel 6.18).
+
+    def _cached_tids(self, st: procfs.Stat) -> list[int] | None:
+        tids = self._tid_lists.get((st.pid, st.start_ticks))
+        return tids if tids is not None and len(tids) == st.num_threads else None
+
+    def _list_tids(self, st: procfs.Stat) -> list[int]:
+        tids = sorted(int(t) for t in self.roots.listdir(f"{self._pd(st.pid)}/task") if t.isdigit())
+        self._tid_lists[(st.pid, st.start_ticks)] = tids
+        return tids
+
+    def _has_schedstat(self, pid: int) -> bool:
+        """Whether this kernel has /proc/PID/task/TID/schedstat (CONFIG_SCHED_INFO; gVisor and
+        fixture trees may not): without it, status's context switches tell whether a thread ran."""
+        if self._schedstat_ok is None:
+            if not os.path.isdir(self._pd(pid, pid)):
+                return False  # decide on a live process
+            self._schedstat_ok = os.path.isfile(f"{self._pd(pid, pid)}/schedstat")
+        return self._schedstat_ok
+
+    def _kept_or_none(self, path: str) -> bytes | None:
+        """A kept file's bytes (procfiles.py); None when it is gone or hidden from us."""
+        try:
+            return self._kept.read(path)
+        except (Absent, Denied):
+            return None
+
+    def _scan_all(self) -> dict[int, procfs.Stat]:
+        stats = {}
+        cache, self._stat_cache = self._stat_cache, {}
+        for name in self.roots.listdir(self.roots.proc):
+            if name.isdigit():
+                st = self._read_stat(int(name), cache)
+                if st is not None:
+                    stats[int(name)] = st
+        return stats
+
+    def _read_stat(self, pid: int, cache: dict[str, tuple[str, procfs.Stat]]) -> procfs.Stat | None:
+        """A process's stat, into this scan's cache; None when it exited since it was listed or
+        is hidden from us (hidepid). Most processes on a host sleep: their stat line is the same
+        as a tick ago, and its parse is reused (the read is not: it is how we know)."""
+        name = str(pid)
+        try:
+            text = self.roots.read_text(f"{self._pd(pid)}/stat")
+        except (Absent, Denied):
+            return None
+        hit = cache.get(name)
+        st = hit[1] if hit is not None and hit[0] == text else procfs.parse_stat(text)
+        self._stat_cache[name] = (text, st)
+        return st
+
+    def _resolve(self, stats: dict[int, procfs.Stat]) -> list[tuple[int, int]]:
+        """Target identities (pid, start_ticks) alive now, explicit ones first."""
+        for pid in self._explicit:
+            if pid in self._job or pid in self._missing:
+                continue
+            # Adopt an explicit pid only at the first look: a pid that appears later is a new
+            # process that happens to get the number, not the job the user named.
+            if self._first_collect and pid in stats:
+                self._job[pid] = stats[pid].start_ticks
+            else:
+                self._missing.add(pid)
+        if self._match is not None:
+            excluded = self._ancestry(stats)
+            for pid, st in stats.items():
+                if pid in excluded or self._job.get(pid) == st.start_ticks:
+                    continue
+                if pid == 2 or st.ppid == 2:
+                    continue  # kthreadd and kernel threads have no command line
+                argv = self._argv(pid, st)
+                if argv and self._match.search(" ".join(argv)) and self._users(pid):
+                    self._job[pid] = st.start_ticks
+        return [(p, s) for p, s in self._job.items() if p in stats and stats[p].start_ticks == s]
+
+    def _users(self, pid: int) -> bool:
+        """Whether a --match candidate belongs to the job's user (any process when unknown).
+        Read after the pattern matched: a status read per candidate, not per host process."""
+        return self.match_uid is None or uid_of(self.roots, pid) == self.match_uid
+
+    def _ancestry(self, stats: dict[int, procfs.Stat]) -> set[int]:
+        out, pid = set(), self._self_pid
+        while pid is not None and pid > 0 and pid not in out:
+            out.add(pid)
+            pid = stats[pid].ppid if pid in stats else None
+        return out
+
+    @staticmethod
+    def _tree(seeds: Iterable[tuple[int, int]], stats: dict[int, procfs.Stat],
+              exclude: int | None) -> list[int]:
+        """Seeds and their descendants, breadth first; never `exclude` (stallwatch run from
+        inside the job's shell would otherwise watch itself)."""
+        children: dict[int, list[int]] = {}
+        for pid, st in stats.items():
+            children.setdefault(st.ppid, []).append(pid)
+        order, seen = [], set()
+        queue = deque(p for p, _ in seeds)
+        while queue:
+            pid = queue.popleft()
+            if pid in seen or pid == exclude:
+                continue
+            seen.add(pid)
+            order.append(pid)
+            queue.extend(sorted(children.get(pid, ())))
+        return order
+
+    def _argv(self, pid: int, st: procfs.Stat) -> tuple[str, ...]:
+        # Read once per identity: cmdline takes the target's mmap lock, which a process stuck in a
+        # page fault can hold for as long as the fault. comm is in the key because exec changes
+        # the command line but keeps the pid and start time.
+        key = (pid, st.start_ticks, st.comm)
+        argv = self._cmdlines.get(key)
+        if argv is None:
+            try:
+                raw = self.roots.read_bytes(f"{self._pd(pid)}/cmdline")
+                argv = procfs.parse_cmdline(raw)
+            except (Absent, Denied):
+                argv = ()
+            if argv or st.state in ("Z", "X"):
+                self._cmdlines[key] = argv
+        return argv
+
+    def _cached_cmdline(self, pid: int, st: procfs.Stat) -> str | None:
+        argv = self._cmdlines.get((pid, st.start_ticks, st.comm))
+        return " ".join(argv) if argv else None
