@@ -86,7 +86,7 @@ def timed(fn: Callable[[], Any], reps: int, rounds: int = 5) -> float:
 def probe(fn: Callable[[], Any]) -> str:
     try:
         return repr(fn())
-    except Exception as exc:  # the point is to record what each library does
+    except Exception as exc:  # noqa: BLE001 - the point is to record what each library does
         text = str(exc).split("\n")[0]
         return f"{type(exc).__name__}: {text[:110]}"
 
@@ -100,14 +100,14 @@ def semantics() -> dict[str, dict[str, str]]:
     def cp_pos(src: str) -> Any:
         try:
             env.compile(src)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the error and its position are the measurement
             return (getattr(exc, "line", None), getattr(exc, "column", None))
         return None
 
     def cel_pos(src: str) -> Any:
         try:
             cel.compile(src)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the error and its position are the measurement
             return str(exc).split("ERROR: ")[1].split(" Syntax")[0]
         return None
 

@@ -36,7 +36,7 @@ def quantile(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
     s = sorted(xs)
-    k = max(0, min(len(s) - 1, int(round(q * (len(s) - 1)))))
+    k = max(0, min(len(s) - 1, round(q * (len(s) - 1))))
     return s[k]
 
 
@@ -280,7 +280,7 @@ class CgroupCpu(CpuMeter):
         self.path, self._usage, self._procs, self._root_procs = path, usage, procs, root_procs
 
     @classmethod
-    def create(cls, name: str) -> "CgroupCpu | None":
+    def create(cls, name: str) -> CgroupCpu | None:
         if os.geteuid() != 0:
             return None
         tag = f"stallwatch-bench-{name}-{uuid.uuid4().hex[:6]}"
@@ -363,7 +363,7 @@ def db_query(state_dir: Path, sql: str, args: tuple = ()) -> list[dict[str, Any]
         return []
     try:
         cur = conn.execute(sql, args)
-        return [{d[0]: v for d, v in zip(cur.description, r)} for r in cur.fetchall()]
+        return [{d[0]: v for d, v in zip(cur.description, r, strict=True)} for r in cur.fetchall()]
     except sqlite3.Error:
         return []
     finally:
@@ -377,13 +377,10 @@ def db_meta(state_dir: Path) -> dict[str, str]:
 def start_daemon(config: Path, log: Path, *, src: Path | None = None,
                  cwd: Path | None = None) -> subprocess.Popen:
     argv, env = python_for(src)
-    out = open(log, "ab")
-    try:
+    with open(log, "ab") as out:
         return subprocess.Popen([*argv, "-m", "stallwatch", "run", "--config", str(config)],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 cwd=str(cwd or config.parent), env=env, start_new_session=True)
-    finally:
-        out.close()
 
 
 @contextmanager

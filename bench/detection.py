@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from bench.common import (ROOT, db_query, kill_identity, rnd, start_daemon, stop, summary, wait_for,
                           workdir)
@@ -38,7 +38,7 @@ TARGET_S = {"crash": 2.0, "hang": 30.0, "io_stall": 30.0, "server_hang": 30.0}
 
 
 class _Hook(http.server.BaseHTTPRequestHandler):
-    events: list[tuple[float, dict[str, Any]]] = []
+    events: ClassVar[list[tuple[float, dict[str, Any]]]] = []
 
     def do_POST(self) -> None:  # noqa: N802
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -58,7 +58,7 @@ class _Hook(http.server.BaseHTTPRequestHandler):
 class Receiver:
     def __init__(self) -> None:
         class H(_Hook):
-            events: list[tuple[float, dict[str, Any]]] = []
+            events: ClassVar[list[tuple[float, dict[str, Any]]]] = []
 
         self.handler = H
         self.srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
@@ -104,7 +104,7 @@ def one_rig(name: str, warmup_s: float, interval: float = 1.0, timeout_s: float 
     faultrigs, RigUnavailable = _rigs()
     kind, cause = EXPECTED[name]
     out: dict[str, Any] = {"rig": name, "expected": kind, "expected_cause": cause}
-    at = int(math.ceil(warmup_s / faultrigs.SAMPLE_S))
+    at = math.ceil(warmup_s / faultrigs.SAMPLE_S)
     kw = {"at": at} if name in ("deadlock", "busy_loop", "crash", "oom") else {}
     rx = Receiver()
     daemon = None
@@ -143,7 +143,8 @@ def one_rig(name: str, warmup_s: float, interval: float = 1.0, timeout_s: float 
                 if rows is None:
                     out["detected"] = False
                     v = db_query(wd / "state", "SELECT verdict_json FROM jobs")
-                    out["last_verdict"] = json.loads(v[0]["verdict_json"])["kind"] if v and v[0]["verdict_json"] else None
+                    out["last_verdict"] = (json.loads(v[0]["verdict_json"])["kind"]
+                                           if v and v[0]["verdict_json"] else None)
                 else:
                     first = rows[0]
                     vd = json.loads(first["verdict_json"] or "{}")
@@ -184,7 +185,7 @@ def latency(rigs: list[str], warmup_s: float, repeats: int = 1, **kw: Any) -> di
         for name in rigs:
             r = one_rig(name, warmup_s, **kw)
             runs.append(r)
-            print(f"  detection {name}: " + (r.get("skipped") and f"skipped ({r['skipped']})"
+            print(f"  detection {name}: " + ((r.get("skipped") and f"skipped ({r['skipped']})")
                   or r.get("error") or f"{r.get('kind')} in {r.get('verdict_latency_s')} s "
                   f"(alert {r.get('alert_latency_s')} s)"), flush=True)
     by: dict[str, Any] = {}

@@ -365,7 +365,8 @@ class Floor:
             except OSError:
                 pass
             real = os.path.realpath(p).encode()
-            best = max((m for m in mounts if len(m) > 4 and (real == m[4] or real.startswith(m[4].rstrip(b"/") + b"/"))),
+            best = max((m for m in mounts
+                        if len(m) > 4 and (real == m[4] or real.startswith(m[4].rstrip(b"/") + b"/"))),
                        key=lambda m: len(m[4]), default=None)
             if best is not None:
                 devs.add(best[2].decode())

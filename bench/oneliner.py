@@ -41,7 +41,7 @@ from stallwatch.daemon.state import StateDB  # noqa: E402
 
 def startup(runs: int) -> dict:
     first, verdict = [], []
-    for i in range(runs):
+    for _ in range(runs):
         with tempfile.TemporaryDirectory(prefix="sw-bench-run-") as d:
             argv = [sys.executable, "-m", "stallwatch", "run", "--state-dir", f"{d}/st", "--",
                     sys.executable, str(ROOT / "tests/jobs/pt_writer.py"), "--out", f"{d}/out",

@@ -18,6 +18,7 @@ wall / interval); the median over sub-windows is reported, and the whole window'
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -156,8 +157,9 @@ def run(*, warmup_s: float, window_s: float, subwindows: int, interval: float = 
                [*argv, str(ROOT / "tests" / "jobs" / "extract_like.py"), "--out", str(outdir),
                 "--log", str(log), "--n", "100000000", "--sample-s", "0.2"])
         out["job"] = cmd
-        job = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL, env=env,
-                               stdout=subprocess.DEVNULL, stderr=open(wd / "job.err", "ab"))
+        with open(wd / "job.err", "ab") as err:
+            job = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL, env=env,
+                                   stdout=subprocess.DEVNULL, stderr=err)
         try:
             wait_for(lambda: outdir.exists() and log.exists(), 30, "the job to start")
             (wd / "job.pid").write_text(f"{job.pid}\n")
@@ -276,7 +278,7 @@ name = "{'extract' if watches[name] == 'job' else watches[name]}"
             rows: dict[str, Any] = {}
             for name in meters:
                 per_tick, pct = [], []
-                for a, b in zip(marks, marks[1:]):
+                for a, b in itertools.pairwise(marks):
                     if a[name]["cpu"] is None or b[name]["cpu"] is None:
                         continue
                     dcpu, dt = b[name]["cpu"] - a[name]["cpu"], b["t"] - a["t"]
@@ -291,7 +293,8 @@ name = "{'extract' if watches[name] == 'job' else watches[name]}"
                     ticks = (b[name]["ticks"] - a[name]["ticks"]) if name in daemons else dt / interval
                     total = {"cpu_s": rnd(b[name]["cpu"] - a[name]["cpu"], 4), "wall_s": rnd(dt, 1),
                              "ticks": rnd(ticks, 1),
-                             "cpu_ms_per_tick": rnd((b[name]["cpu"] - a[name]["cpu"]) / ticks * 1e3, 3) if ticks else None,
+                             "cpu_ms_per_tick": (rnd((b[name]["cpu"] - a[name]["cpu"]) / ticks * 1e3, 3)
+                                                 if ticks else None),
                              "pct_of_core": rnd((b[name]["cpu"] - a[name]["cpu"]) / dt * 100, 3)}
                 rows[name] = {
                     "cpu_ms_per_tick": summary(per_tick, 1e3, 3),
@@ -306,7 +309,7 @@ name = "{'extract' if watches[name] == 'job' else watches[name]}"
                     durs = list(tick_durs[name].values())
                     rows[name]["tick_wall_ms"] = summary(durs, 1e3, 2)
             floor = rows.get("floor", {}).get("total") or {}
-            for name, r in rows.items():
+            for r in rows.values():
                 t = r.get("total") or {}
                 if floor.get("cpu_ms_per_tick") and t.get("cpu_ms_per_tick") is not None:
                     r["x_floor"] = rnd(t["cpu_ms_per_tick"] / floor["cpu_ms_per_tick"], 2)
@@ -325,7 +328,7 @@ name = "{'extract' if watches[name] == 'job' else watches[name]}"
                 out.setdefault("verdicts", {})[name] = (json.loads(d[0]["verdict_json"])["kind"]
                                                         if d and d[0]["verdict_json"] else None)
         finally:
-            for name, p in procs.items():
+            for p in procs.values():
                 stop(p)
             for m in meters.values():
                 m.close()

@@ -267,7 +267,8 @@ def render(res: dict[str, Any]) -> str:
             parts.append(table(f"Cost growth [{tree}]: log size (ms CPU per tick)",
                                ["size MiB", "growth", "first tick", "median", "p99", "max", "read MiB/tick",
                                 "backlog MiB at end"],
-                               [[r["size_bytes"] >> 20, r["rate_bytes_per_s"] if not isinstance(r["rate_bytes_per_s"], int)
+                               [[r["size_bytes"] >> 20,
+                                 r["rate_bytes_per_s"] if not isinstance(r["rate_bytes_per_s"], int)
                                  else f"{r['rate_bytes_per_s'] >> 20} MiB/s", r["first_tick_cpu_ms"],
                                  r["cpu_ms"]["median"], r["cpu_ms"]["p99"], r["cpu_ms"]["max"],
                                  r["log_probe_read_mib_per_tick"], rnd((r["backlog_bytes_at_end"] or 0) / MiB, 1)]

@@ -135,7 +135,7 @@ def incidents(db: Path) -> list[dict]:
         c = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
         try:
             cur = c.execute("SELECT id, kind, state, started_at, resolved_at FROM incidents")
-            return [dict(zip([d[0] for d in cur.description], r)) for r in cur.fetchall()]
+            return [dict(zip([d[0] for d in cur.description], r, strict=True)) for r in cur.fetchall()]
         finally:
             c.close()
     except sqlite3.Error:
@@ -192,7 +192,7 @@ restart_reset_after_s = 20
 kill_grace_s = 3
 """)
     cfg.chmod(0o600)
-    dlog = open(work / "daemon.log", "ab")
+    dlog = open(work / "daemon.log", "ab")  # noqa: SIM115 - every restarted daemon writes to it
 
     def start_daemon() -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "stallwatch", "run", "--config", str(cfg)],
@@ -279,7 +279,7 @@ kill_grace_s = 3
     ends = [w["at"] for w in windows[1:]] + [end + a.settle]
     per_fault: dict[str, dict] = {}
     rows = []
-    for w, until in zip(windows, ends):
+    for w, until in zip(windows, ends, strict=True):
         inside = [x for x in incs if w["at"] - 1 <= x["started_at"] < until]
         want = EXPECTED[w["fault"]]
         hit = [x for x in inside if x["kind"] == want]

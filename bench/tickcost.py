@@ -434,9 +434,9 @@ def what_rules(params: dict[str, Any], work: Path) -> dict[str, Any]:
         rs = diagnose.load([clone_rules(n, work / "rules")])
         per = []
         for _ in range(params.get("repeats", 3)):
-            for ss, fs in zip(snaps, feats):
+            for ss, fs in zip(snaps, feats, strict=True):
                 ev = Evaluator(rs)
-                for s, v in zip(ss, fs):
+                for s, v in zip(ss, fs, strict=True):
                     c0 = time.process_time()
                     ev.evaluate(v, s.t_mono)
                     per.append(time.process_time() - c0)

@@ -261,12 +261,11 @@ evidence = false
 
     def start(self, env: dict[str, str] | None = None) -> subprocess.Popen:
         self.write_config()
-        out = open(self.daemon_log_path, "ab")
         env = {**os.environ, **(env or {})}
         env["PYTHONPATH"] = str(ROOT)  # the worktree's code, whoever runs the rig
-        self.daemon = subprocess.Popen(self.daemon_argv(), stdout=out, stderr=subprocess.STDOUT,
-                                       cwd=self.admin, env=env, start_new_session=True)
-        out.close()
+        with open(self.daemon_log_path, "ab") as out:
+            self.daemon = subprocess.Popen(self.daemon_argv(), stdout=out, stderr=subprocess.STDOUT,
+                                           cwd=self.admin, env=env, start_new_session=True)
         return self.daemon
 
     def daemon_log(self) -> str:
@@ -349,7 +348,7 @@ evidence = false
             time.sleep(0.2)
         rmtree(self.base)
 
-    def __enter__(self) -> "AttackRig":
+    def __enter__(self) -> AttackRig:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -113,12 +113,9 @@ class Services:
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
     def start(self, name: str, argv: list[str], **kw: Any) -> subprocess.Popen:
-        out = open(self.logs / f"{name}.log", "wb")
-        try:
+        with open(self.logs / f"{name}.log", "wb") as out:
             p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                  start_new_session=True, preexec_fn=_die_with_parent, **kw)
-        finally:
-            out.close()
         self.procs.append((name, p))
         return p
 

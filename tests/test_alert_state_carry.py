@@ -30,7 +30,7 @@ def state(ev, name: str = "hang") -> str | None:
 
 def test_zero_value_is_not_evaluated_and_unknown_states_raise(tmp_path: Path) -> None:
     rs = ruleset(tmp_path, hang())
-    inst = _Instance(list(rs)[0], ())
+    inst = _Instance(next(iter(rs)), ())
     assert inst.state is AlertState.UNKNOWN
     with pytest.raises(ValueError):
         AlertState("stuck")

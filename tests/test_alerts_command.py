@@ -60,7 +60,8 @@ def test_command_gets_env_and_json_on_stdin(tmp_path: Path, recorder: Path) -> N
     assert env["STALLWATCH_INCIDENT_ID"] == "7" and env["STALLWATCH_EPISODE"] == "1"
     assert env["STALLWATCH_STARTED_AT"] == "1700000000"
     assert env["STALLWATCH_RESOLVED_AT"] == ""
-    assert env["STALLWATCH_EVIDENCE"].splitlines()[0] == "process: pid 1234 thread 1240 in D for 41 s, wchan percpu_rwsem_wait"
+    assert (env["STALLWATCH_EVIDENCE"].splitlines()[0]
+            == "process: pid 1234 thread 1240 in D for 41 s, wchan percpu_rwsem_wait")
     assert env["STALLWATCH_PROGRESS_DONE"] == "18380" and env["STALLWATCH_ETA_S"] == "18560"
     assert env["STALLWATCH_TEST"] == "0"
     assert env["STALLWATCH_TITLE"] == "I/O stall \u2014 extract"

@@ -65,13 +65,17 @@ def test_names_are_unique() -> None:
     ({"type": "slack", "url_evn": "X"}, "alert[0].url_evn: unknown key (did you mean 'url_env'?)"),
     ({"type": "slack", "url": "https://a/b", "url_env": "X"},
      "alert[0]: give only one of url, url_env, url_file, credential (got url, url_env)"),
-    ({"type": "slack", "kinds": ["io-stall"]}, "alert[0].kinds: unknown verdict kind 'io-stall' (did you mean 'io_stall'?)"),
-    ({"type": "slack", "min_severity": "high"}, "alert[0].min_severity: Input should be 'info', 'warning' or 'critical'"),
+    ({"type": "slack", "kinds": ["io-stall"]},
+     "alert[0].kinds: unknown verdict kind 'io-stall' (did you mean 'io_stall'?)"),
+    ({"type": "slack", "min_severity": "high"},
+     "alert[0].min_severity: Input should be 'info', 'warning' or 'critical'"),
     ({"type": "slack", "timeout_s": 0}, "alert[0].timeout_s: Input should be greater than 0"),
-    ({"type": "desktop", "urgency_map": {"critical": 5}}, "alert[0].urgency_map: critical: urgency is 0 (low), 1 (normal) or 2 (critical), got 5"),
+    ({"type": "desktop", "urgency_map": {"critical": 5}},
+     "alert[0].urgency_map: critical: urgency is 0 (low), 1 (normal) or 2 (critical), got 5"),
     ({"type": "command", "argv": []}, "alert[0].argv: Tuple should have at least 1 item after validation, not 0"),
     ({"type": "command"}, "alert[0].argv: required"),
-    ({"type": "slack", "credential": "../etc/x"}, "alert[0].credential: a credential name, not a path (use url_file for a path)"),
+    ({"type": "slack", "credential": "../etc/x"},
+     "alert[0].credential: a credential name, not a path (use url_file for a path)"),
 ])
 def test_errors_name_file_table_and_key(table: dict, message: str) -> None:
     assert err(table) == f"f.toml: {message}"

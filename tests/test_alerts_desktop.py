@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def bus_address(tmp_path_factory) -> Iterator[str]:
-    log = open(tmp_path_factory.mktemp("dbus") / "dbus-daemon.log", "w")
+    log = open(tmp_path_factory.mktemp("dbus") / "dbus-daemon.log", "w")  # noqa: SIM115 - dbus-daemon's stderr for the module's life
     p = subprocess.Popen(["dbus-daemon", "--session", "--print-address=1", "--nofork", "--nopidfile"],
                          stdout=subprocess.PIPE, stderr=log, text=True)
     try:
@@ -81,7 +81,7 @@ class NotificationServer:
         bus.AddMatch(self.called)
         self._called_q = self.conn.filter(self.called, bufsize=1000)
         self._called_queue = self._called_q.__enter__()
-        self.log = open(logdir / "dbusmock.log", "w")
+        self.log = open(logdir / "dbusmock.log", "w")  # noqa: SIM115 - the mock's log, closed in stop()
         with self.conn.filter(owner) as q:
             self.proc = subprocess.Popen([sys.executable, "-m", "dbusmock", "--session", "-t",
                                           "notification_daemon"],
@@ -246,7 +246,7 @@ def test_spool_agent_notify(notifications, bus_address, tmp_path, monkeypatch) -
 
     env = {**os.environ, "DBUS_SESSION_BUS_ADDRESS": bus_address,
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    agent_log = open(tmp_path / "agent.log", "w")
+    agent_log = open(tmp_path / "agent.log", "w")  # noqa: SIM115 - the agent's log while it runs
     agent = subprocess.Popen([sys.executable, "-m", "stallwatch.alerts.desktop", "agent",
                               "--spool", str(spool), "--poll", "30"],
                              env=env, stdout=agent_log, stderr=subprocess.STDOUT)

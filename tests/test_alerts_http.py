@@ -8,6 +8,7 @@ than the sink's timeout). Tests synchronise on its received-request condition, w
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
@@ -265,7 +266,7 @@ def test_slack_5xx_backs_off_exponentially(receiver_factory) -> None:
         st = d.status()["sinks"][0]
     finally:
         d.close()
-    gaps = [b.at - a.at for a, b in zip(reqs, reqs[1:])]
+    gaps = [b.at - a.at for a, b in itertools.pairwise(reqs)]
     # waits of 0.1, 0.2, 0.4 s ± 10 % jitter: lower bounds (a loaded machine only adds)
     assert gaps[0] >= 0.09 and gaps[1] >= 0.18 and gaps[2] >= 0.36, gaps
     assert st["sent"] == 1 and st["retries"] == 3 and st["retrying"] == 0
@@ -376,7 +377,8 @@ def test_webhook_retries_5xx_then_gives_up(receiver_factory) -> None:
         d.close()
     assert len(rx.requests) == 3
     assert st["failed"] == 1 and st["sent"] == 0 and st["retries"] == 2
-    assert st["last_error"] == f"webhook http://127.0.0.1:{rx.port}/*** answered HTTP 502: bad gateway (gave up after 3 attempts)"
+    assert st["last_error"] == (f"webhook http://127.0.0.1:{rx.port}/*** answered HTTP 502: bad gateway "
+                                "(gave up after 3 attempts)")
 
 
 def test_webhook_timeout_is_retried(receiver_factory) -> None:

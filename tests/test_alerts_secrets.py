@@ -107,7 +107,8 @@ def test_no_secret_anywhere(receiver_factory, tmp_path: Path, monkeypatch, caplo
     cfg = tmp_path / "stallwatch.toml"
     cfg.write_text("\n".join(
         ["[[alert]]\ntype = \"slack\"\nretry_initial_s = 0.05",
-         f"[[alert]]\ntype = \"webhook\"\nurl = \"{hook.url('/in')}\"\nheaders = {{\"X-Api-Key\" = \"{HEADER_SECRET}\"}}"]))
+         f"[[alert]]\ntype = \"webhook\"\nurl = \"{hook.url('/in')}\"\n"
+         f"headers = {{\"X-Api-Key\" = \"{HEADER_SECRET}\"}}"]))
     with pytest.raises(SystemExit) as e:
         main(["alert", "test", "--config", str(cfg), "--json"])
     assert e.value.code == 0

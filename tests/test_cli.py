@@ -112,10 +112,11 @@ def test_a_torn_last_line_of_a_trace_is_ignored(tmp_path):
 
 def test_diagnose_a_pid_that_has_exited_uses_what_outlives_it(tmp_path):
     log = tmp_path / "job.log"
-    p = subprocess.Popen([sys.executable, "-c", "import sys\n"
-                          "print('step 3/10', file=sys.stderr, flush=True)\n"
-                          "raise RuntimeError('CUDA error: an illegal memory access was encountered')"],
-                         stderr=open(log, "w"))
+    with open(log, "w") as err:
+        p = subprocess.Popen([sys.executable, "-c", "import sys\n"
+                              "print('step 3/10', file=sys.stderr, flush=True)\n"
+                              "raise RuntimeError('CUDA error: an illegal memory access was encountered')"],
+                             stderr=err)
     p.wait()
     r = run("diagnose", "--pid", str(p.pid), "--log", str(log), "--json", "--window", "0.5")
     doc = json.loads(r.stdout)
@@ -128,7 +129,8 @@ def test_diagnose_a_pid_that_has_exited_uses_what_outlives_it(tmp_path):
 def test_diagnose_exit_codes_follow_nagios(tmp_path):
     log = tmp_path / "job.log"
     # A job that finished its work: progress reached the total, process gone.
-    p = subprocess.Popen([sys.executable, "-c", "print('step 10/10', flush=True)"], stdout=open(log, "w"))
+    with open(log, "w") as out:
+        p = subprocess.Popen([sys.executable, "-c", "print('step 10/10', flush=True)"], stdout=out)
     p.wait()
     r = run("diagnose", "--pid", str(p.pid), "--log", str(log), "--json", "--window", "0.5")
     assert json.loads(r.stdout)["verdict"]["kind"] == "finished" and r.returncode == 0
@@ -180,7 +182,7 @@ def test_record_a_job_named_in_a_daemon_config(tmp_path):
         finally:
             p.kill()
     assert r.returncode == 0, r.stderr
-    header, snaps, _ = read_trace(out)
+    _header, snaps, _ = read_trace(out)
     assert snaps and snaps[-1]["target"]["name"] == "sleeper"
     assert snaps[-1]["processes"]["targets"] == [p.pid]
     r = run("record", "--config", str(cfg), "--job", "nope", "--out", str(out))

@@ -22,7 +22,7 @@ import threading
 import time
 import zipfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import pytest
 
@@ -124,11 +124,10 @@ kill_grace_s = 1
 
     def start(self, env: dict[str, str] | None = None) -> subprocess.Popen:
         n = len(self.daemons)
-        err = open(self.dir / f"daemon-{n}.log", "wb")
-        p = subprocess.Popen([sys.executable, "-m", "stallwatch", "run", "--config", str(self.cfg)],
-                             stdout=err, stderr=subprocess.STDOUT, cwd=self.dir,
-                             env={**os.environ, **(env or {})})
-        err.close()
+        with open(self.dir / f"daemon-{n}.log", "wb") as err:
+            p = subprocess.Popen([sys.executable, "-m", "stallwatch", "run", "--config", str(self.cfg)],
+                                 stdout=err, stderr=subprocess.STDOUT, cwd=self.dir,
+                                 env={**os.environ, **(env or {})})
         self.daemons.append(p)
         return p
 
@@ -245,7 +244,7 @@ def h(tmp_path: Path):
 class Hook(http.server.BaseHTTPRequestHandler):
     """A webhook receiver: every POSTed JSON object lands in `events`."""
 
-    events: list[dict[str, Any]] = []
+    events: ClassVar[list[dict[str, Any]]] = []
 
     def do_POST(self) -> None:  # noqa: N802
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -260,7 +259,7 @@ class Hook(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def webhook():
     class H(Hook):
-        events: list[dict[str, Any]] = []
+        events: ClassVar[list[dict[str, Any]]] = []
 
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
     t = threading.Thread(target=srv.serve_forever, daemon=True)

@@ -54,7 +54,7 @@ def test_exit_code_and_identity(tmp_path: Path) -> None:
 
 
 def test_running_status_then_signal_to_the_jobs_group(tmp_path: Path) -> None:
-    sp, sf, log = start(tmp_path, ["sleep", "60"])
+    sp, sf, _log = start(tmp_path, ["sleep", "60"])
     doc = wait_for(lambda: (d := read_status(sf)) and d.get("state") == "running" and d,
                    10, "the running status")
     assert identity_alive(doc["pid"], doc["start_ticks"])
@@ -80,7 +80,7 @@ def test_wrapper_forwards_sigterm_and_waits(tmp_path: Path) -> None:
 
 
 def test_command_that_cannot_start(tmp_path: Path) -> None:
-    sp, sf, log = start(tmp_path, [str(tmp_path / "no-such-program")])
+    sp, sf, _log = start(tmp_path, [str(tmp_path / "no-such-program")])
     assert sp.popen.wait(30) == 127
     doc = read_status(sf)
     assert doc["state"] == "exited" and doc["pid"] is None and "cannot start" in doc["error"]

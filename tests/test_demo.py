@@ -42,8 +42,8 @@ class Running:
     def __init__(self, fault: str) -> None:
         self.fault = fault
         self.t0 = time.monotonic()
-        self.out = tempfile.TemporaryFile()
-        self.err = tempfile.TemporaryFile()
+        self.out = tempfile.TemporaryFile()  # noqa: SIM115 - the demo's output, read back when it ends
+        self.err = tempfile.TemporaryFile()  # noqa: SIM115 - the demo's output, read back when it ends
         pipeline, _, kind = fault.rpartition(":")  # "torchrun:hang": the torchrun pipeline
         extra = ["--pipeline", pipeline] if pipeline else []
         self.proc = subprocess.Popen([sys.executable, "-m", "stallwatch", "demo", "--fault", kind,

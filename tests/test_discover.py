@@ -218,7 +218,7 @@ class Scenario:
 
 @pytest.fixture(scope="module")
 def scenarios(request):
-    wanted = [getattr(item.function, "scenario") for item in request.session.items
+    wanted = [item.function.scenario for item in request.session.items
               if item.module is request.module and hasattr(item.function, "scenario")]
     prefix = _isolation()
     running = {name: Scenario(name, prefix) for name in dict.fromkeys(wanted)}

@@ -40,7 +40,8 @@ def test_diskstats_real_capture_has_discard_and_flush_fields(roots: Roots) -> No
     assert {"vda", "loop0", "loop0p1", "loop1", "zram0"} <= stats.keys()
     part = stats["loop0p1"]
     assert (part.major, part.minor) == (259, 0)
-    assert (part.reads_completed, part.sectors_read, part.writes_completed, part.sectors_written) == (109, 1284, 18, 8970)
+    assert ((part.reads_completed, part.sectors_read, part.writes_completed, part.sectors_written)
+            == (109, 1284, 18, 8970))
     assert part.sectors_discarded == 129026
     vda = stats["vda"]
     assert vda.flushes_completed == 151 and vda.flush_ms == 5

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import uuid
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from rigs import root, spawned, wait_until  # noqa: F401 (root is a fixture)
@@ -16,7 +17,7 @@ from stallwatch.kernel.roots import Roots
 
 
 class CountingRoots(Roots):
-    reads: list[str] = []
+    reads: ClassVar[list[str]] = []
 
     def read_text(self, path, limit=1 << 20):
         CountingRoots.reads.append(str(path))
@@ -36,7 +37,7 @@ def test_mountinfo_is_read_again_only_after_a_mount(root, tmp_path: Path) -> Non
     mnt.mkdir()
     with spawned(["unshare", "-m", "--propagation", "private", "sleep", "600"]) as ns:
         wait_until(lambda: Path(f"/proc/{ns.pid}/ns/mnt").resolve() != Path("/proc/self/ns/mnt").resolve()
-                   and open(f"/proc/{ns.pid}/comm").read().strip() == "sleep", what="the namespace")
+                   and Path(f"/proc/{ns.pid}/comm").read_text().strip() == "sleep", what="the namespace")
         in_ns = ["nsenter", "-t", str(ns.pid), "-m"]
         probe = DisksProbe([mnt], dev_shm=None, roots=CountingRoots(), mountinfo_pid=ns.pid)
         try:

@@ -6,11 +6,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from stallwatch.clock import FakeClock
 from stallwatch.engine import AlertState, Evaluator, RuleSet, evaluate_once, load_rules
 
-P, F, R, I = AlertState.PENDING, AlertState.FIRING, AlertState.RESOLVED, AlertState.INACTIVE
+P, F, R, I = AlertState.PENDING, AlertState.FIRING, AlertState.RESOLVED, AlertState.INACTIVE  # noqa: E741 - P F R I: the four states, short for the tables below
 
 
 def rules(tmp_path: Path, *tables: str) -> RuleSet:
@@ -253,7 +254,7 @@ def test_time_must_not_go_backwards(tmp_path: Path) -> None:
 
 def test_evaluation_is_frozen_and_serialisable(tmp_path: Path) -> None:
     r = evaluate_once(rules(tmp_path, rule("hang", "true")), {})
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         r.verdict.kind = "x"  # type: ignore[misc]
     data = r.model_dump(mode="json")
     assert data["verdict"]["kind"] == "hang" and data["alerts"][0]["state"] == "firing"

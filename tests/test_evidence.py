@@ -177,7 +177,7 @@ D_WRITER = "import sys, time\nopen(sys.argv[1] + '/stuck.pt', 'wb').write(b'x')\
 @needs_py_spy
 @pytest.mark.root
 def test_bundle_for_a_python_process_frozen_in_d(root, tmp_path):
-    with frozen_ext4() as (mnt, _dev):
+    with frozen_ext4() as (mnt, _dev):  # noqa: SIM117 - the filesystem, then the writer stuck on it: two steps
         with spawn_in_state("D", where=mnt, argv=[sys.executable, "-c", D_WRITER, str(mnt)]) \
                 as proc:
             snap = snapshot_of(proc.pid, tmp_path)

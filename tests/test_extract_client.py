@@ -229,7 +229,8 @@ def test_ptfile_round_trip_without_torch(tmp_path):
            "bf16": T.from_list([[1.0, 1.00390625, -2.5e-3]], "bfloat16"), "i32": T.from_list([7], "int32"),
            "f16": T.from_list([0.5, 65504.0], "float16"), "b": T.from_list([True, False], "bool"),
            "u8": T.from_list([0, 255], "uint8"), "empty": T.from_list([], "float32"),
-           "n": 3, "big": 2**70, "x": -1.5, "s": "é", "l": [1, None, True, (2, 3)], "d": {"k": [T.from_list([1], "int8")]}}
+           "n": 3, "big": 2**70, "x": -1.5, "s": "é", "l": [1, None, True, (2, 3)],
+           "d": {"k": [T.from_list([1], "int8")]}}
     path = tmp_path / "x.ckpt"
     ptfile.save(obj, path, use_torch=False)
     back = ptfile.load(path)

@@ -85,8 +85,8 @@ def test_scaled_rules_change_only_the_for_durations():
     scaled = scaled_rules(text)
     a, b = yaml.safe_load(text), yaml.safe_load(scaled)
     fors = {}
-    for ga, gb in zip(a["groups"], b["groups"]):
-        for ra, rb in zip(ga["rules"], gb["rules"]):
+    for ga, gb in zip(a["groups"], b["groups"], strict=True):
+        for ra, rb in zip(ga["rules"], gb["rules"], strict=True):
             fors[ra["alert"]] = (ra["for"], rb["for"])
             ra.pop("for"), rb.pop("for")
     assert a == b

@@ -95,7 +95,7 @@ class FakeNvml:
 
     def _gpu(self, handle) -> FakeGpu:
         addr = ctypes.addressof(handle.contents)
-        for s, g in zip(self._structs, self.gpus):
+        for s, g in zip(self._structs, self.gpus, strict=True):
             if ctypes.addressof(s) == addr:
                 return g
         raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)

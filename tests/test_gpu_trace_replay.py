@@ -74,7 +74,7 @@ def test_sigkill_releases_the_memory(trace):
 
 
 def test_verdicts_follow_the_phases():
-    header, rows, events = evaluate_trace(TRACE)
+    _header, rows, events = evaluate_trace(TRACE)
     phases = {e["phase"]: e["wall"] for e in events if e.get("kind") == "phase"}
     busy = [r for r in rows if phases["busy"] <= r["t_wall"] < phases["stopped"]]
     assert busy and all(r["kind"] == "healthy" for r in busy)

@@ -78,11 +78,10 @@ STEPS = ["detect", "enter:kill", "kill:first-signal", "enter:wait_gone", "enter:
 
 def start_with_failpoint(h: Harness, step: str) -> subprocess.Popen:
     n = len(h.daemons)
-    err = open(h.dir / f"daemon-{n}.log", "wb")
-    p = subprocess.Popen([sys.executable, "-c", FAILPOINT, "run", "--config", str(h.cfg)],
-                         stdout=err, stderr=subprocess.STDOUT, cwd=h.dir,
-                         env={**os.environ, "SW_FAILPOINT": step})
-    err.close()
+    with open(h.dir / f"daemon-{n}.log", "wb") as err:
+        p = subprocess.Popen([sys.executable, "-c", FAILPOINT, "run", "--config", str(h.cfg)],
+                             stdout=err, stderr=subprocess.STDOUT, cwd=h.dir,
+                             env={**os.environ, "SW_FAILPOINT": step})
     h.daemons.append(p)
     return p
 

@@ -322,7 +322,7 @@ def test_outputs_directory_removed_and_recreated_mid_run(tmp_path: Path) -> None
 
 @pytest.mark.root
 def test_frozen_filesystem_under_log_outputs_and_a_writer_tick_within_deadline(root) -> None:
-    with frozen_ext4() as (mnt, dev):
+    with frozen_ext4() as (mnt, _dev):  # noqa: SIM117 - the filesystem, then the writer stuck on it: two steps
         # a writer stuck in D on the frozen fs, the log and outputs on it
         with spawned([sys.executable, "-c",
                       f"open({str(mnt / 'job.log')!r}, 'a').write('sample 1/9\\n')"]) as writer:

@@ -69,7 +69,7 @@ def test_corrupt_database_is_set_aside_and_a_fresh_one_started(tmp_path: Path) -
 
 def test_half_corrupt_database_fails_its_check_and_is_set_aside(tmp_path: Path) -> None:
     db = StateDB.open(tmp_path)
-    for i in range(200):
+    for _ in range(200):
         db.add_action("a", "detect", "x" * 200)
     db.close()
     # A valid header, garbage pages after it: only an integrity check sees it.

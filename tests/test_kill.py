@@ -13,6 +13,7 @@ import select
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from rigs import (FakeProc, frozen_ext4, root,  # noqa: F401 (root is a fixture)
@@ -37,7 +38,7 @@ def dead(pid: int) -> bool:
 
 def sig_bit(pid: int, field: str, sig: int) -> bool:
     """Whether `sig` is set in a mask of /proc/PID/status (SigIgn, SigCgt, ShdPnd, SigPnd)."""
-    for line in open(f"/proc/{pid}/status"):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
     raise KeyError(field)

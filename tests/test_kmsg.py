@@ -30,7 +30,8 @@ def ev(line: str):
 # -- records ---------------------------------------------------------------------------------------
 
 def test_record_fields_and_continuation_lines() -> None:
-    rec = parse_record("5,284,424793,-;virtio_blk virtio1: [vda] 536870912 blocks\n SUBSYSTEM=virtio\n DEVICE=+virtio:virtio1\n")
+    rec = parse_record("5,284,424793,-;virtio_blk virtio1: [vda] 536870912 blocks\n"
+                       " SUBSYSTEM=virtio\n DEVICE=+virtio:virtio1\n")
     assert (rec.seq, rec.usec, rec.level, rec.facility) == (284, 424793, 5, 0)
     assert rec.message == "virtio_blk virtio1: [vda] 536870912 blocks"
     assert parse_record("14,631,730000100,-,caller=T1;hello").facility == 1  # prio 14 = user.info
@@ -85,7 +86,8 @@ def test_hung_task_xid_io_fs_segfault_lines() -> None:
         ("2,624,1,-;EXT4-fs error (device loop0): ext4_find_entry:1663: inode #2: comm ls: reading directory", "loop0"),
         ("3,625,1,-;Aborting journal on device loop0-8.", "loop0-8"),
         ("2,626,1,-;EXT4-fs (dm-0): Remounting filesystem read-only", "dm-0"),
-        ("3,627,1,-;XFS (nvme0n1p1): metadata I/O error in \"xfs_trans_read_buf_map\" at daddr 0x2 len 1 error 5", "nvme0n1p1"),
+        ("3,627,1,-;XFS (nvme0n1p1): metadata I/O error in \"xfs_trans_read_buf_map\" at daddr 0x2 len 1 error 5",
+         "nvme0n1p1"),
         ("2,1,1,-;BTRFS error (device sdc1): bdev /dev/sdc1 errs: wr 1, rd 0, flush 0", "sdc1"),
         ("5,628,1,-;nfs: server fileserver not responding, still trying", "fileserver"),
     ]:
@@ -96,7 +98,8 @@ def test_hung_task_xid_io_fs_segfault_lines() -> None:
     s = ev("6,457,1,-;python3[8411]: segfault at 0 ip 00007fbb2bd85ad8 sp 00007ffe38160988 error 4 in "
            "libc.so.6[167ad8,7fbb2bc44000+156000] likely on CPU 1 (core 1, socket 0)")
     assert (s.kind, s.comm, s.pid, s.fault_addr, s.object) == (EventKind.segfault, "python3", 8411, "0", "libc.so.6")
-    gp = ev("6,630,1,-;traps: python[4243] general protection fault ip:7f3a sp:7ffc error:0 in libtorch_cuda.so[7f3a+2]")
+    gp = ev("6,630,1,-;traps: python[4243] general protection fault ip:7f3a sp:7ffc error:0 "
+            "in libtorch_cuda.so[7f3a+2]")
     assert (gp.kind, gp.pid, gp.fault_addr, gp.object) == (EventKind.segfault, 4243, None, "libtorch_cuda.so")
 
 
@@ -139,7 +142,8 @@ def test_probe_history_reads_fixture_and_rings() -> None:
     oom = obs.events[-1]
     assert (oom.pid, oom.constraint, oom.task_memcg) == (5555, "CONSTRAINT_NONE", "/user.slice/user-1000.slice")
     assert oom.wall_time == pytest.approx(1795989902 + 740.0001)
-    assert obs.records_lost == (456 - 284) + (599 - 458) + (609 - 603) + (619 - 613) + (629 - 628) + (639 - 631)  # seq gaps
+    # the seq gaps
+    assert obs.records_lost == (456 - 284) + (599 - 458) + (609 - 603) + (619 - 613) + (629 - 628) + (639 - 631)
     assert KernelLogObs.model_validate_json(obs.model_dump_json()) == obs
 
 

@@ -111,13 +111,13 @@ def results() -> dict[str, tuple[Job, Diagnosis]]:
             # Healthy jobs: diagnosed once they have a few seconds of history, while the stuck age.
             wait_until(lambda: all(j.log.exists() and j.done() >= 3 * PER_S for j in healthy), 60,
                        "healthy jobs to log 3 s of progress")
-            for j, d in zip(healthy, pool.map(diagnose, healthy)):
+            for j, d in zip(healthy, pool.map(diagnose, healthy), strict=True):
                 out[j.key] = (j, d)
             for j in stuck:
                 wait_until(lambda j=j: _stuck_in_place(j), 60, f"{j.key} to be stuck at {STALL_AT}")
             wait_until(lambda: min(j.log_age() for j in stuck) >= STUCK_S, STUCK_S + 60,
                        f"every stuck job's log to be silent for {STUCK_S:g} s")
-            for j, d in zip(stuck, pool.map(diagnose, stuck)):
+            for j, d in zip(stuck, pool.map(diagnose, stuck), strict=True):
                 out[j.key] = (j, d)
     return out
 
@@ -154,7 +154,7 @@ def test_stuck_40s_is_hang_with_the_pace_and_its_source(results, style, stall):
 
 @pytest.mark.parametrize("style", STYLES)
 def test_healthy_job_with_the_same_log_style_stays_healthy(results, style):
-    job, d = results[f"{style}-healthy"]
+    _job, d = results[f"{style}-healthy"]
     assert d.kind == "healthy" and d.rc == 0, d
     assert "is making progress" in d.doc["verdict"]["summary"], d
     assert d.doc["progress"]["last_progress_age_s"] < 5, d

@@ -110,7 +110,7 @@ def test_lost_events_are_corrected_by_reconciliation(tmp_path, clock, make_probe
 def test_a_real_inotify_queue_overflow_forces_reconciliation(fast_tmp, clock, make_probe):
     """More events between two ticks than the kernel queues (fs.inotify.max_queued_events): the
     kernel says IN_Q_OVERFLOW, and the probe reconciles at once rather than at its period."""
-    limit = int(open("/proc/sys/fs/inotify/max_queued_events").read())
+    limit = int(Path("/proc/sys/fs/inotify/max_queued_events").read_text())
     if limit > 50_000:
         pytest.skip(f"fs.inotify.max_queued_events is {limit}: too many files to overflow it here")
     out = fast_tmp / "hs"

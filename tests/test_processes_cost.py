@@ -11,8 +11,11 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
+from typing import ClassVar
 
 import pytest
+from pydantic import ValidationError
 from rigs import (FakeProc, frozen_ext4, root, spawned,  # noqa: F401 (root is a fixture)
                   task_state, wait_until)
 
@@ -53,7 +56,7 @@ time.sleep(1000)
 class CountingRoots(Roots):
     """Roots that records every path read through it (the kept descriptors are not)."""
 
-    reads: list[str] = []
+    reads: ClassVar[list[str]] = []
 
     def read_text(self, path, limit=1 << 20):
         CountingRoots.reads.append(str(path))
@@ -112,16 +115,16 @@ def test_idle_threads_are_not_read_again_and_report_the_same():
         probe = ProcessesProbe(Target(pids=(proc.pid,)), roots=CountingRoots(), clock=clock)
         probe.collect()  # a full scan of /proc
         clock.advance(1.0)
-        first = [p for p in probe.collect().processes if p.pid == proc.pid][0]  # a tree walk
+        first = next(p for p in probe.collect().processes if p.pid == proc.pid)  # a tree walk
         CountingRoots.reads.clear()
         clock.advance(5.0)
-        again = [p for p in probe.collect().processes if p.pid == proc.pid][0]
+        again = next(p for p in probe.collect().processes if p.pid == proc.pid)
     per_thread = [r for r in CountingRoots.reads if "/task/" in r]
     # The main thread sleeps in readline, the 9 others on futexes: none ran, none is re-read
     # (wait channel, syscall, stack, sched, status and children come from their last look).
     assert per_thread == [], per_thread
     assert len(again.threads) == len(first.threads) == 10
-    for a, b in zip(first.threads, again.threads):
+    for a, b in zip(first.threads, again.threads, strict=True):
         assert (a.tid, a.state, a.wchan, a.syscall, a.stack) == (b.tid, b.state, b.wchan, b.syscall, b.stack)
         assert b.state_since_s == a.state_since_s + 5.0 and b.ctx_unchanged_for_s >= 5.0
         assert b.cpu_delta_s == 0.0
@@ -206,7 +209,7 @@ def test_a_thread_that_ran_is_read_afresh_on_the_next_collect():
         before = thread(probe, proc.pid, tid)
         clock.advance(1.0)
         go(proc)
-        wait_until(lambda: open(f"/proc/{proc.pid}/task/{tid}/syscall").read().split()[0] == "0",
+        wait_until(lambda: Path(f"/proc/{proc.pid}/task/{tid}/syscall").read_text().split()[0] == "0",
                    what="the worker to block in read")
         after = thread(probe, proc.pid, tid)
     assert before.syscall == "futex" and before.state == after.state == "S"
@@ -228,7 +231,7 @@ def test_a_thread_that_stops_running_is_seen_on_the_next_collect():
         wait_until(lambda: all(task_state(proc.pid, int(t)) == "t" or task_state(proc.pid, int(t)) == "T"
                                for t in os.listdir(f"/proc/{proc.pid}/task")), what="a stop")
         clock.advance(1.0)
-        obs = [p for p in probe.collect().processes if p.pid == proc.pid][0]
+        obs = next(p for p in probe.collect().processes if p.pid == proc.pid)
         os.kill(proc.pid, signal.SIGCONT)
     # Stopped: every thread, the idle ones included, shows T at once, with its stop's stack.
     assert {t.state for t in obs.threads} == {"T"}
@@ -350,5 +353,5 @@ def test_evolve_is_model_copy():
     a, b = threads_mod._evolve(t, update), t.model_copy(update=update)
     assert a == b and a.model_dump_json() == b.model_dump_json()
     assert a.model_fields_set == b.model_fields_set and t.state_since_s == 1.0
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         a.tid = 2  # still frozen

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 import uuid
 
 import pytest
@@ -28,7 +29,7 @@ def only(obs: ProcessesObs, pid: int):
 
 
 def cpu_ticks(pid: int) -> int:
-    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(f[11]) + int(f[12])
 
 
@@ -97,7 +98,7 @@ def test_z_unreaped_child_then_reaped():
 @pytest.mark.root
 def test_d_open_on_frozen_ext4(root):
     clock = FakeClock()
-    with frozen_ext4() as (mnt, dev), spawn_in_state("D", where=mnt) as proc:
+    with frozen_ext4() as (mnt, _dev), spawn_in_state("D", where=mnt) as proc:
         probe = ProcessesProbe(Target(pids=(proc.pid,)), clock=clock)
         assert only(probe.collect(), proc.pid).d_state_for_s == 0.0
         clock.advance(7.5)
@@ -185,7 +186,7 @@ def test_client_thread_waiting_on_a_socket_to_the_server_port():
         with spawned([sys.executable, "-c", CLIENT, str(port)]) as client:
             conn, _ = server.accept()
             with conn:
-                wait_until(lambda: open(f"/proc/{client.pid}/wchan").read() not in ("", "0"),
+                wait_until(lambda: Path(f"/proc/{client.pid}/wchan").read_text() not in ("", "0"),
                            what="the client to block in recv")
                 p = only(ProcessesProbe(Target(pids=(client.pid,))).collect(), client.pid)
     (t,) = p.threads
@@ -199,7 +200,7 @@ def test_match_finds_the_job_but_never_stallwatch_itself():
     marker = f"sw-job-{uuid.uuid4().hex[:8]}"
     with spawned(["bash", "-c", f'exec -a "{marker} worker" sleep 1000']) as proc:
         cmdline = f"/proc/{proc.pid}/cmdline"
-        wait_until(lambda: open(cmdline, "rb").read().startswith(marker.encode()),
+        wait_until(lambda: Path(cmdline).read_bytes().startswith(marker.encode()),
                    what="exec -a to take effect")
         obs = ProcessesProbe(Target(match=marker)).collect()
         assert obs.targets == (proc.pid,)

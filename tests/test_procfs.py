@@ -229,7 +229,7 @@ def test_syscall_tables():
 def test_table_follows_the_machine():
     import platform
     expected = {"x86_64": X86_64, "aarch64": AARCH64}.get(platform.machine(), {})
-    assert procfs.SYSCALLS is expected or procfs.SYSCALLS == expected
+    assert procfs.SYSCALLS is expected or expected == procfs.SYSCALLS
 
 
 # ------------------------------------------------------ the probe on the captured tree
@@ -273,7 +273,7 @@ def test_probe_reads_the_zombie_and_its_parent():
 def test_sched_exec_start_from_a_real_capture():
     text = (PROC / "self" / "sched").read_text()  # what `cat /proc/self/sched` printed
     v = procfs.parse_sched_exec_start_s(text)
-    want = float(next(l for l in text.splitlines() if l.startswith("se.exec_start")).split(":")[1])
+    want = float(next(ln for ln in text.splitlines() if ln.startswith("se.exec_start")).split(":")[1])
     assert v == pytest.approx(want / 1000.0)
     assert procfs.parse_sched_exec_start_s("nr_switches : 3\n") is None
     assert procfs.parse_uptime_s("917.16 1513.45\n") == 917.16

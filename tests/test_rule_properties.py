@@ -30,6 +30,7 @@ after the last line.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from dataclasses import dataclass, field
@@ -311,7 +312,7 @@ def stalled_jobs(draw) -> Job:
 
 
 def describe(job: Job, ticks: list[Tick]) -> None:
-    gaps = [round(b - a, 2) for a, b in zip(job.appends, job.appends[1:])]
+    gaps = [round(b - a, 2) for a, b in itertools.pairwise(job.appends)]
     note(f"cadence {job.cadence} s, {job.fmt}, history {job.history}, gaps {gaps}")
     note(f"checkpoints {job.checkpoints}, stall at {job.stall_at} in {job.stall_state}")
     note(f"first stall ticks: {[x for x in ticks if x.kind in STALL_KINDS][:3]}")

@@ -274,7 +274,7 @@ def test_slack_alert_and_evidence_carry_the_same_sparklines(tmp_path: Path, rule
     sparklines, drawn from the history the bundle records; progress went up, then to zero."""
     rx = receiver_factory()
     state = tmp_path / "state"
-    err = open(tmp_path / "stderr", "w")
+    err = open(tmp_path / "stderr", "w")  # noqa: SIM115 - the daemon's stderr while it runs
     p = subprocess.Popen([*STALLWATCH, "run", "--state-dir", str(state), "--rules", str(rules),
                           "--alert", f"slack={rx.url(SLACK_PATH)}", "--",
                           *writer(tmp_path / "out", "--deadlock-at", "15", count=40,
@@ -378,7 +378,7 @@ class WriterCount:
             self.seen.update(p for p, _ in alive)
             self.most = max(self.most, len(alive))
 
-    def stop(self) -> "WriterCount":
+    def stop(self) -> WriterCount:
         self._stop.set()
         self._t.join(10)
         return self

@@ -157,7 +157,7 @@ def test_rule_directory_anyone_can_add_to_is_refused(tmp_path: Path) -> None:
     d.chmod(0o755)
     assert load_config(cfg)
     d.chmod(0o1777)  # sticky, like /tmp: anyone may still add a file
-    with pytest.raises(UsageError, match="rule directory .* is world-writable"):
+    with pytest.raises(UsageError, match=r"rule directory .* is world-writable"):
         load_config(cfg)
     d.chmod(0o755)
     (d / "a.toml").chmod(0o646)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from pathlib import Path
 
 import pytest
 from test_alerts_http import SLACK_PATH, dispatcher, event, receiver_factory  # noqa: F401
@@ -229,7 +230,7 @@ def test_a_tree_past_the_caps_is_watched_in_part_said_so_and_its_exits_still_see
         assert obs.processes[0].pid == job.pid  # the target is always among those examined
         assert "too wide to watch fully" in width_warning(obs)
         seen = {p.pid for p in obs.processes}
-        kids = [int(p) for p in open(f"/proc/{job.pid}/task/{job.pid}/children").read().split()]
+        kids = [int(p) for p in Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()]
         victim = next(k for k in kids if k not in seen)
         os.kill(victim, 9)
         obs = _wait(lambda: (o := probe.collect()).exited and o, what="the exit")
@@ -243,7 +244,7 @@ def test_a_tree_past_the_caps_is_watched_in_part_said_so_and_its_exits_still_see
         o = full.collect()
         assert o.truncated == "" and width_warning(o) is None, o.truncated
     finally:
-        for k in [int(p) for p in open(f"/proc/{job.pid}/task/{job.pid}/children").read().split()]:
+        for k in [int(p) for p in Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()]:
             os.kill(k, 9)
         job.wait(timeout=20)
 
@@ -259,8 +260,8 @@ def test_match_adopts_only_processes_of_the_jobs_user() -> None:
         # bash's own command line names the marker too: wait for the exec to be over (comm is
         # the new program's), since a process in the middle of execve can show an empty
         # command line, which no pattern matches (a daemon's next tick would adopt it)
-        _wait(lambda: open(f"/proc/{decoy.pid}/comm").read().strip() == "sleep"
-              and marker.encode() in open(f"/proc/{decoy.pid}/cmdline", "rb").read(),
+        _wait(lambda: Path(f"/proc/{decoy.pid}/comm").read_text().strip() == "sleep"
+              and marker.encode() in Path(f"/proc/{decoy.pid}/cmdline").read_bytes(),
               what="the exec")
         other_uid = os.getuid() + 1 if os.getuid() != 65534 else 0
         mine = ProcessesProbe(_Pids(match=marker), match_uid=os.getuid()).collect()

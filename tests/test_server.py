@@ -46,7 +46,7 @@ class FakeSGLang:
                         fake.health_gate.wait(30)
                     return self.reply(fake.health_status, b"")
                 new = self.path in ("/server_info", "/model_info")
-                if new and fake.old_routes or self.path.startswith("/get_") and not fake.old_routes:
+                if (new and fake.old_routes) or (self.path.startswith("/get_") and not fake.old_routes):
                     return self.reply(404, b'{"detail":"Not Found"}')
                 if self.path in ("/server_info", "/get_server_info"):
                     if fake.info_gate is not None:
@@ -231,7 +231,8 @@ def test_connection_refused_is_server_down_evidence() -> None:
 
 def test_garbage_metrics_is_reported_not_raised(server: FakeSGLang) -> None:
     probe = ServerProbe(server.url, collect_wait_s=5)
-    for body in (b"\x00\xff\xfe garbage {{{ not prometheus\n", b"sglang:x{a=\"1\" 12\n", b"# TYPE x counter\nx_total abc\n"):
+    for body in (b"\x00\xff\xfe garbage {{{ not prometheus\n", b"sglang:x{a=\"1\" 12\n",
+                 b"# TYPE x counter\nx_total abc\n"):
         server.metrics_body = body
         m = probe.collect().metrics
         assert m.ok is False and m.error.startswith("unparseable /metrics"), body

@@ -99,7 +99,7 @@ def _run(shape: str, fault: str, work: Path) -> Outcome:
              "--fault-slow-s", str(LONG_BATCH_S), "--watchdog-timeout", "300"] if fault == "long_batch" else []
     client_extra = ["--fault", "hang", "--fault-at", str(WARM_SAMPLES + 8)] if fault == "client_deadlock" else []
     server = client = None
-    slog = open(slog_path, "ab")
+    slog = open(slog_path, "ab")  # noqa: SIM115 - the server's log while it runs
     try:
         server = launch_server([*SERVER, "--sglang-version", shape, "--tp", tp, *extra], stdout=slog,
                                stderr=slog, die_with_parent=True, ready_timeout=90)
@@ -131,7 +131,8 @@ def _run(shape: str, fault: str, work: Path) -> Outcome:
             vd = e.verdict
             res.rows.append(Row(time.monotonic() - t0, vd.kind, vd.rule, vd.summary,
                                 [f"{x.signal}: {x.detail}" for x in vd.evidence], list(vd.advice),
-                                e.names("firing"), {k: v["server"][k] for k in ("busy", "health_failed", "down_cause")}))
+                                e.names("firing"),
+                                {k: v["server"][k] for k in ("busy", "health_failed", "down_cause")}))
             if done(res):
                 break
             time.sleep(0.5)

@@ -138,7 +138,7 @@ def test_a_job_killed_while_slurm_says_running_is_a_crash(tmp_path):
     finally:
         d.request_stop()
         t.join(30)
-    _row_, incidents = _row(tmp_path)
+    _, incidents = _row(tmp_path)
     assert [i["kind"] for i in incidents] == ["crash"]
 
 

@@ -118,7 +118,7 @@ def rank_pid(sc: dict[str, Any], rank: int) -> int:
 
 def last_progress_wall(sc: dict[str, Any]) -> float:
     last, t = None, None
-    for row, v in zip(sc["rows"], sc["features"]):
+    for row, v in zip(sc["rows"], sc["features"], strict=True):
         if v["log"]["has_progress"] and v["log"]["done"] != last:
             last, t = v["log"]["done"], row["t_wall"]
     assert t is not None, "no progress recorded"
@@ -137,7 +137,7 @@ def named(row: dict[str, Any], pid: int) -> bool:
 
 
 def never_server_or_early_finish(sc: dict[str, Any]) -> None:
-    for row, v in zip(sc["rows"], sc["features"]):
+    for row, v in zip(sc["rows"], sc["features"], strict=True):
         assert not row["kind"].startswith("server_"), row["summary"]
         if v["job"]["alive"]:
             assert row["kind"] != "finished", row["summary"]

@@ -85,11 +85,10 @@ def test_incidents_episodes_and_actions(tmp_path: Path) -> None:
 def test_transaction_rolls_back_as_a_whole(tmp_path: Path) -> None:
     db = StateDB.open(tmp_path)
     db.ensure_job("a", "command", "{}")
-    with pytest.raises(RuntimeError):
-        with db.tx():
-            db.update_job("a", restarts=1)
-            db.add_action("a", "restart", "started")
-            raise RuntimeError("killed half-way")
+    with pytest.raises(RuntimeError), db.tx():
+        db.update_job("a", restarts=1)
+        db.add_action("a", "restart", "started")
+        raise RuntimeError("killed half-way")
     assert db.job("a")["restarts"] == 0 and db.job_actions("a") == []
     db.close()
 

@@ -102,7 +102,7 @@ def test_first_sight_learns_the_cadence_and_rate_from_the_lines_timestamps(tmp_p
     clock = FakeClock(monotonic=1000.0, wall=1_764_600_000.0)
     t0 = 1_764_600_000.0 - 60  # 100 lines at 20 a second, the last one 55 s ago
     lines = [f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(t0 + i * 0.05))},"
-             f"{int(round((t0 + i * 0.05) % 1 * 1000)):03d} INFO processed {i}/100000 items\n"
+             f"{round((t0 + i * 0.05) % 1 * 1000):03d} INFO processed {i}/100000 items\n"
              for i in range(1, 101)]
     log = tmp_path / "job.log"
     _write(log, lines, t0 + 100 * 0.05)

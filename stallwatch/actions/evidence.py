@@ -49,7 +49,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 
@@ -126,7 +127,7 @@ class _Bundle:
         """Write one file; a failure becomes a note, never an exception."""
         try:
             self.write(name, make())
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a part that fails becomes a note in the bundle
             self.notes.append(f"{name}: not written: {type(exc).__name__}: {exc}")
 
 
@@ -175,7 +176,7 @@ def _start_dumps(bundle: _Bundle, exe: str, pids: list[int]) -> list[_Dump]:
                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                     start_new_session=True, close_fds=True)
             d.started = time.monotonic()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - one dump that will not start must not cost the others
             bundle.notes.append(f"py-spy for pid {pid}: not started: {type(exc).__name__}: {exc}")
             continue
         dumps.append(d)
@@ -381,14 +382,14 @@ def _readme(bundle: _Bundle, snap: Snapshot | None, verdict: Verdict | None, clo
     try:
         when = time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(clock.time()))
         lines.append(f"created: {when} on {socket.gethostname()}")
-    except Exception:
+    except Exception:  # noqa: BLE001 - the README's header line is a nicety
         pass
     if verdict is not None:
         lines.append(f"verdict: {getattr(verdict, 'kind', '?')}: {getattr(verdict, 'summary', '')}")
     if snap is not None:
         try:
             lines.append(f"job: {snap.target.name}  snapshot at {snap.t_wall} on {snap.host}")
-        except Exception:
+        except Exception:  # noqa: BLE001 - a stand-in snapshot without these fields still gets its README
             pass
     lines.append(f"took: {time.monotonic() - started:.2f} s")
     lines += ["", "files:", *(f"  {n}  {s} bytes" for n, s in bundle.files)]
@@ -464,7 +465,7 @@ def capture_evidence(
                 notes.append("py-spy: no live Python process in the snapshot")
             else:
                 dumps = _start_dumps(bundle, exe, pids)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - py-spy trouble becomes a note, the bundle goes on
             notes.append(f"py-spy: {type(exc).__name__}: {exc}")
         bundle.part("verdict.json", lambda: _dump_json(verdict))
         bundle.part("threads.txt", lambda: _threads_txt(snapshot))
@@ -482,7 +483,7 @@ def capture_evidence(
         bundle.part("snapshot.json", lambda: _dump_json(snapshot))  # the largest: last
         try:
             _finish_dumps(bundle, dumps, py_spy_timeout_s)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - py-spy trouble becomes a note, the bundle goes on
             notes.append(f"py-spy: {type(exc).__name__}: {exc}")
     except BaseException as exc:  # even KeyboardInterrupt leaves a README behind
         notes.append(f"capture interrupted: {type(exc).__name__}: {exc}")
@@ -496,6 +497,6 @@ def capture_evidence(
         try:
             bundle.max_bundle_bytes += 1 << 16  # the README always fits
             bundle.write("README.txt", _readme(bundle, snapshot, verdict, clock, started))
-        except Exception:
+        except Exception:  # noqa: BLE001 - the last write: nothing is left to report a failure to
             pass
     return bundle.path

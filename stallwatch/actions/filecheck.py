@@ -80,7 +80,7 @@ class _Stub:
     def __init__(self, *args: Any, **kw: Any) -> None:
         self._args = args
 
-    def __call__(self, *args: Any, **kw: Any) -> "_Stub":
+    def __call__(self, *args: Any, **kw: Any) -> _Stub:
         return _Stub(*args)  # what a stub returned, called in turn (getattr(x, "f")(...))
 
     def __setstate__(self, state: Any) -> None:
@@ -161,7 +161,7 @@ def _check_zip(path: Path | IO[bytes], size: int, torch_file: bool,
                 try:
                     with zf.open(pkl) as f:
                         _, u = _parse_pickle(f)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - the user's pickle may break the parser in any way: a bad file
                     return FileCheck(False, f"data.pkl does not parse: {_what(exc)}")
                 members = {i.filename: i for i in infos}
                 for n, (key, tname, numel) in enumerate(u.storages):
@@ -195,7 +195,7 @@ def _check_legacy_torch(path: Path, size: int) -> FileCheck:
         with open(path, "rb") as f:
             try:
                 magic, _ = _parse_pickle(f)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - the user's pickle may break the parser in any way: a bad file
                 return FileCheck(False, f"neither a zip archive nor a pickle: {_what(exc)}")
             if magic != LEGACY_MAGIC:
                 return FileCheck(False, "a pickle without torch's magic number: not a "
@@ -205,7 +205,7 @@ def _check_legacy_torch(path: Path, size: int) -> FileCheck:
                     _parse_pickle(f)
                 _, u = _parse_pickle(f)  # the object
                 keys, _ = _parse_pickle(f)  # storage keys, in the order of the data
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - the user's pickle may break the parser in any way: a bad file
                 return FileCheck(False, f"legacy torch file cut inside its pickles: "
                                         f"{_what(exc)}")
             pos = f.tell()
@@ -281,7 +281,7 @@ def _torch_load(path: Path, structural: FileCheck) -> FileCheck:
     torch = _torch()
     try:
         torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - torch.load raises anything on a bad file
         if "Weights only load failed" in str(exc) and structural.ok:
             return FileCheck(True, f"{structural.reason}; torch.load(weights_only=True) refused "
                                    "one of its classes (the file itself is whole)")

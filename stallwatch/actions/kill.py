@@ -46,7 +46,8 @@ import os
 import signal as _signal
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Callable, Iterable, Literal
+from typing import Literal
+from collections.abc import Callable, Iterable
 
 from stallwatch.kernel import procfs
 from stallwatch.clock import SYSTEM_CLOCK, Clock
@@ -227,7 +228,7 @@ class KillOperation:
             return self.state
         try:
             self._step()
-        except Exception as exc:  # a bug or an odd /proc must not take the daemon's tick down
+        except Exception as exc:  # noqa: BLE001 - a bug or an odd /proc must not take the daemon's tick down
             msg = f"{type(exc).__name__}: {exc}"
             if not self._errors or self._errors[-1] != msg:  # once per run of the same error
                 self._errors = (self._errors + [msg])[-20:]
@@ -271,16 +272,15 @@ class KillOperation:
                 self._move(KillState.kill_sent, now,
                            f"{len(alive)} still alive {held:.1f} s after SIGTERM: SIGKILL to "
                            f"{self._who(alive)}")
-        elif self.state is KillState.kill_sent:
-            if held >= self.kill_wait_s:
-                names = ", ".join(f"{s.pid} ({s.state}" + (f" in {s.wchan}" if s.wchan else "")
-                                  + ")" for s in self._survivors)
-                if self.dry_run:
-                    self._move(KillState.done, now,
-                               f"dry run: nothing was sent, {len(alive)} left alive: {names}")
-                else:
-                    self._move(KillState.unkillable, now,
-                               f"{len(alive)} still alive {held:.1f} s after SIGKILL: {names}")
+        elif self.state is KillState.kill_sent and held >= self.kill_wait_s:
+            names = ", ".join(f"{s.pid} ({s.state}" + (f" in {s.wchan}" if s.wchan else "")
+                              + ")" for s in self._survivors)
+            if self.dry_run:
+                self._move(KillState.done, now,
+                           f"dry run: nothing was sent, {len(alive)} left alive: {names}")
+            else:
+                self._move(KillState.unkillable, now,
+                           f"{len(alive)} still alive {held:.1f} s after SIGKILL: {names}")
         # unkillable: stay, with survivors refreshed, until they die (handled above)
 
     def _move(self, to: KillState, now: float, reason: str) -> None:
@@ -297,7 +297,7 @@ class KillOperation:
 
     # ----------------------------------------------------------------------------- observing
 
-    def _stat(self, pid: int) -> procfs.Stat | None | Literal["denied"]:
+    def _stat(self, pid: int) -> procfs.Stat | Literal["denied"] | None:
         try:
             return procfs.parse_stat(self.roots.read_text(self.roots.pid_dir(pid) / "stat"))
         except Absent:
@@ -317,7 +317,7 @@ class KillOperation:
         except (Absent, Denied):
             return None
 
-    def _refresh(self, seen: _Seen, st: procfs.Stat | None | Literal["denied"]) -> None:
+    def _refresh(self, seen: _Seen, st: procfs.Stat | Literal["denied"] | None) -> None:
         if seen.status in ("dead", "reused"):
             return  # an identity that ended never comes back
         if st is None:
@@ -399,10 +399,8 @@ class KillOperation:
             return False
         # Any verified member still in the group, zombies included: a zombie still holds its
         # pid and its place in the group, so the number cannot have been recycled.
-        for seen in self._tracked.values():
-            if seen.pgid == self.pgid and seen.status in ("alive", "zombie"):
-                return True
-        return False
+        return any(seen.pgid == self.pgid and seen.status in ("alive", "zombie")
+                   for seen in self._tracked.values())
 
     def _scan(self) -> dict[int, procfs.Stat]:
         out: dict[int, procfs.Stat] = {}

@@ -14,7 +14,7 @@ import errno
 import hashlib
 import os
 from pathlib import Path
-from typing import Iterable
+from collections.abc import Iterable
 
 from stallwatch.kernel import safefs
 

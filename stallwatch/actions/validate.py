@@ -16,7 +16,8 @@ import json
 import os
 import stat as _stat
 from pathlib import Path
-from typing import Callable, Collection, Iterable, NamedTuple
+from typing import NamedTuple
+from collections.abc import Callable, Collection, Iterable
 
 from stallwatch.kernel import safefs
 from stallwatch.actions.filecheck import CRC_MAX_BYTES, FileCheck, validate_file
@@ -283,7 +284,7 @@ def _check_one(out_fd: int, parts: tuple[str, ...], ident: tuple[int, int], path
                 else:
                     ok, reason = validate_file(via, crc_max_bytes=crc_max_bytes,
                                                use_torch=use_torch, name=parts[-1])
-            except Exception as exc:  # a checker bug must not stop the others
+            except Exception as exc:  # noqa: BLE001 - a checker bug must not stop the others
                 ok, reason = False, f"check failed: {type(exc).__name__}"
             if ok:
                 return True

@@ -7,7 +7,8 @@ import email.utils
 import math
 import socket
 import time
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from stallwatch import __version__
 from stallwatch.alerts.events import AlertEvent, EvidenceLine, ProgressInfo
@@ -140,7 +141,7 @@ def kind_title(kind: str) -> str:
 def fmt_duration(seconds: float | None) -> str:
     if seconds is None or not math.isfinite(seconds):
         return "?"
-    s = int(round(max(0.0, seconds)))
+    s = round(max(0.0, seconds))
     if s < 60:
         return f"{s} s"
     m, s = divmod(s, 60)

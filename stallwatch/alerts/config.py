@@ -18,7 +18,8 @@ from __future__ import annotations
 import difflib
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping, Union
+from typing import Annotated, Any, Literal
+from collections.abc import Mapping
 
 from pydantic import (BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, ValidationError,
                       field_validator, model_validator)
@@ -137,24 +138,18 @@ class _UrlSink(_Base):
             where = f"url_env: environment variable {self.url_env}"
             if not value.strip():
                 raise SecretSourceError(f"{where} is not set")
-        elif self.url_file is not None or self.credential is not None:
-            if self.credential is not None:
-                cdir = env.get("CREDENTIALS_DIRECTORY")
-                if not cdir:
-                    raise SecretSourceError(
-                        f"credential '{self.credential}': $CREDENTIALS_DIRECTORY is not set "
-                        f"(run under systemd with LoadCredential={self.credential}:/path/to/file)")
-                path = Path(cdir) / self.credential
-                where = f"credential '{self.credential}'"
-            else:
-                path = Path(self.url_file).expanduser()
-                where = f"url_file {path}"
-            try:
-                value = path.read_text(encoding="utf-8").strip()
-            except OSError as e:
-                raise SecretSourceError(f"{where}: cannot read: {e.strerror or type(e).__name__}") from None
-            if not value:
-                raise SecretSourceError(f"{where}: the file is empty")
+        elif self.credential is not None:
+            cdir = env.get("CREDENTIALS_DIRECTORY")
+            if not cdir:
+                raise SecretSourceError(
+                    f"credential '{self.credential}': $CREDENTIALS_DIRECTORY is not set "
+                    f"(run under systemd with LoadCredential={self.credential}:/path/to/file)")
+            where = f"credential '{self.credential}'"
+            value = _read_secret(Path(cdir) / self.credential, where)
+        elif self.url_file is not None:
+            path = Path(self.url_file).expanduser()
+            where = f"url_file {path}"
+            value = _read_secret(path, where)
         else:
             value, where = self._default_url(env)
         value = _check_url(value, where)
@@ -244,14 +239,24 @@ class CommandConfig(_Base):
         return v
 
 
-AlertConfig = Annotated[Union[WebhookConfig, SlackConfig, DesktopConfig, CommandConfig],
+AlertConfig = Annotated[WebhookConfig | SlackConfig | DesktopConfig | CommandConfig,
                         Field(discriminator="type")]
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(AlertConfig)
-_MODELS = {"webhook": WebhookConfig, "slack": SlackConfig, "desktop": DesktopConfig,
+_MODELS: dict[str, type[BaseModel]] = {"webhook": WebhookConfig, "slack": SlackConfig, "desktop": DesktopConfig,
            "command": CommandConfig}
 
 
-def _problem(err: dict[str, Any], table: Mapping[str, Any]) -> tuple[str, str]:
+def _read_secret(path: Path, where: str) -> str:
+    try:
+        value = path.read_text(encoding="utf-8").strip()
+    except OSError as e:
+        raise SecretSourceError(f"{where}: cannot read: {e.strerror or type(e).__name__}") from None
+    if not value:
+        raise SecretSourceError(f"{where}: the file is empty")
+    return value
+
+
+def _problem(err: Mapping[str, Any], table: Mapping[str, Any]) -> tuple[str, str]:
     """(dotted location, message) for one pydantic error, phrased for a TOML user."""
     loc = list(err.get("loc", ()))
     if loc and loc[0] in _MODELS:  # the discriminator's tag

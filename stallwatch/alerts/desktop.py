@@ -34,7 +34,8 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from stallwatch.alerts.events import AlertEvent
 
@@ -130,10 +131,11 @@ def notify(summary: str, body: str, *, urgency: int = 1, app_name: str = "stallw
     if not address:
         raise NotifyError("no session bus: DBUS_SESSION_BUS_ADDRESS is not set")
     hints = {"urgency": ("y", int(urgency)), "category": ("s", category)}
-    args = (app_name, int(replaces_id), icon, summary, body, [], hints, int(expire_timeout_ms))
+    actions: list[str] = []
+    args = (app_name, int(replaces_id), icon, summary, body, actions, hints, int(expire_timeout_ms))
     if backend == "auto":
         try:
-            import jeepney  # noqa: F401
+            import jeepney  # noqa: F401 - whether it imports is the question
             backend = "jeepney"
         except ImportError:
             backend = "gdbus"
@@ -231,12 +233,11 @@ class Spool:
     def __init__(self, directory: str | os.PathLike[str], user: str | None = None) -> None:
         self.dir = Path(directory)
         self.user = user
-        self._uid: int | None = None
-        self._gid: int | None = None
+        self._owner: tuple[str, int, int] | None = None  # (user, uid, gid) the files are handed to
         if user is not None and os.geteuid() == 0:
             try:
                 pw = pwd.getpwnam(user)
-                self._uid, self._gid = pw.pw_uid, pw.pw_gid
+                self._owner = (user, pw.pw_uid, pw.pw_gid)
             except KeyError:
                 raise PermanentError(f"desktop: no such user '{user}'") from None
         self._ready = False
@@ -262,7 +263,7 @@ class Spool:
                 dfd = safefs.subdir(pfd, self.dir.name, create=True)
                 try:
                     st = os.fstat(dfd)
-                    if self._uid is not None and st.st_uid != self._uid:
+                    if self._owner is not None and st.st_uid != self._owner[1]:
                         if st.st_uid != os.geteuid():
                             raise safefs.UnsafePath(str(self.dir), "owned by another user: "
                                                                    "not taken over")
@@ -270,7 +271,7 @@ class Spool:
                         if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
                             raise safefs.UnsafePath(str(self.dir), "replaced while it was "
                                                                    "prepared")
-                        os.chown(self.dir.name, self._uid, self._gid,  # type: ignore[arg-type]
+                        os.chown(self.dir.name, self._owner[1], self._owner[2],
                                  dir_fd=pfd, follow_symlinks=False)
                     if stat.S_IMODE(st.st_mode) != 0o700:
                         os.chmod(pfd_path(dfd), 0o700)
@@ -278,8 +279,8 @@ class Spool:
                     os.close(dfd)
             finally:
                 os.close(pfd)
-            if self._uid is not None:
-                blocked = self._blocking_ancestor()
+            if self._owner is not None:
+                blocked = self._blocking_ancestor(*self._owner)
                 if blocked is not None:
                     path, mode = blocked
                     raise PermanentError(
@@ -290,15 +291,15 @@ class Spool:
             self._ready = True
         return safefs.open_dir(self.dir)
 
-    def _blocking_ancestor(self) -> tuple[Path, int] | None:
+    def _blocking_ancestor(self, user: str, uid: int, gid: int) -> tuple[Path, int] | None:
         """The first directory above the spool that the user may not traverse, if any."""
         try:
-            groups = set(os.getgrouplist(self.user, self._gid))  # type: ignore[arg-type]
+            groups = set(os.getgrouplist(user, gid))
         except (KeyError, OSError):
-            groups = {self._gid}
+            groups = {gid}
         for parent in self.dir.resolve().parents:
             st = parent.stat()
-            if st.st_uid == self._uid:
+            if st.st_uid == uid:
                 ok = bool(st.st_mode & 0o100)
             elif st.st_gid in groups:
                 ok = bool(st.st_mode & 0o010)
@@ -321,8 +322,8 @@ class Spool:
                              | os.O_CLOEXEC, 0o600, dir_fd=dfd)
                 try:
                     os.write(fd, data)
-                    if self._uid is not None:
-                        os.fchown(fd, self._uid, self._gid)  # type: ignore[arg-type]
+                    if self._owner is not None:
+                        os.fchown(fd, self._owner[1], self._owner[2])
                 finally:
                     os.close(fd)
                 os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
@@ -333,7 +334,7 @@ class Spool:
             raise PermanentError(f"desktop spool {self.dir}: {e.why}") from None
         except PermissionError as e:
             hint = ""
-            if self._uid is not None:
+            if self._owner is not None:
                 hint = (f" (handing files to {self.user} needs CAP_CHOWN: add it to "
                         f"CapabilityBoundingSet= in stallwatch.service)")
             raise PermanentError(f"desktop spool {self.dir}: {e.strerror}{hint}") from None

@@ -33,7 +33,8 @@ import random
 import socket
 import threading
 import time
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.alerts.events import AlertEvent, EvidenceLine
@@ -123,7 +124,7 @@ class SinkStats:
 class _Runner:
     """One sink: its queue, worker thread, bucket, open incidents and counters."""
 
-    def __init__(self, dispatcher: "AlertDispatcher", sink: Sink) -> None:
+    def __init__(self, dispatcher: AlertDispatcher, sink: Sink) -> None:
         self.d = dispatcher
         self.sink = sink
         self.cfg = sink.config
@@ -272,7 +273,7 @@ class _Runner:
                     self.sink.deliver(event)
                 except DeliveryError as e:
                     err: DeliveryError = e
-                except Exception as e:  # noqa: BLE001 - a sink bug is one more failure
+                except Exception as e:
                     log.debug("alert sink %s raised", self.name, exc_info=True)
                     err = RetryableError(f"{self.sink.type}: unexpected {describe_error(e)}")
                 else:
@@ -494,7 +495,7 @@ class AlertDispatcher:
                 pass
         return ok
 
-    def __enter__(self) -> "AlertDispatcher":
+    def __enter__(self) -> AlertDispatcher:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -18,7 +18,7 @@ import logging
 import re
 import threading
 import traceback
-from typing import Iterable
+from collections.abc import Iterable
 
 MASK = "***"
 
@@ -112,7 +112,7 @@ class RedactingFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         try:
             msg = record.getMessage()
-        except Exception:  # a broken format string: keep the raw parts, redacted
+        except Exception:  # noqa: BLE001 - a broken format string: keep the raw parts, redacted
             msg = f"{record.msg} {record.args}"
         record.msg = redact(msg)
         record.args = None

@@ -37,13 +37,13 @@ def post_json(url: str, body: bytes, headers: dict[str, str], timeout_s: float, 
     h = {"Content-Type": "application/json", "User-Agent": f"stallwatch/{__version__}", **headers}
     req = urllib.request.Request(url, data=body, headers=h, method="POST")
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # noqa: S310 - http(s) checked
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             text = resp.read(65536).decode("utf-8", "replace")
             return resp.status, text
     except urllib.error.HTTPError as e:
         try:
             text = e.read(4096).decode("utf-8", "replace")
-        except Exception:
+        except Exception:  # noqa: BLE001 - the body of an error reply is a nicety
             text = ""
         err = http_error(e.code, text, dict(e.headers.items()) if e.headers else None, what)
     except (urllib.error.URLError, OSError, ValueError) as e:

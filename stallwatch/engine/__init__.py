@@ -7,7 +7,8 @@ caller builds (stallwatch.engine.features does that). The CLI needs only the two
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
+from collections.abc import Iterable, Mapping
 
 from .alerting import (Alert, AlertState, EvalError, Evaluation, Evaluator, EvidenceItem,
                        Transition, Verdict, evaluate_once)

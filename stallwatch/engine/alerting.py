@@ -18,7 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Mapping
+from typing import Any
+
+from pydantic import Field
+from collections.abc import Mapping
 
 from stallwatch.model import Frozen
 from stallwatch.vocab import SEVERITY_RANK
@@ -87,7 +90,7 @@ class Alert(Frozen):
     severity: str
     priority: int
     warning: bool = False
-    labels: dict[str, str] = {}
+    labels: dict[str, str] = Field(default_factory=dict)
     state: AlertState
     since: float                 # when the current state began
     active_at: float             # when it went pending
@@ -101,7 +104,7 @@ class Alert(Frozen):
 
 class Transition(Frozen):
     rule: str
-    labels: dict[str, str] = {}
+    labels: dict[str, str] = Field(default_factory=dict)
     from_state: AlertState
     to_state: AlertState
     at: float
@@ -122,7 +125,7 @@ class Verdict(Frozen):
     cause: str | None = None
     rule: str | None = None
     severity: str | None = None
-    labels: dict[str, str] = {}
+    labels: dict[str, str] = Field(default_factory=dict)
 
 
 UNKNOWN = Verdict(kind="unknown", summary="no rule fired: not enough evidence yet")
@@ -212,7 +215,7 @@ class Evaluator:
 
     # -- state that outlives this evaluator
 
-    def carry_from(self, old: "Evaluator") -> int:
+    def carry_from(self, old: Evaluator) -> int:
         """Take over `old`'s alert state after a reload, by rule name and labels, as Prometheus
         does (rules/group.go CopyState). An instance whose rule is gone is dropped. One whose
         rule changed (condition, `for`, kind, severity, text) keeps its state and timers and is
@@ -291,8 +294,9 @@ class Evaluator:
             # raised out of the tick.
             env = None
             errors.append(EvalError(rule="*", where="variables", error=str(exc)[:500]))
-        for rule in self.rules if env is not None else ():
-            self._evaluate_rule(rule, env, now, errors, transitions)
+        if env is not None:
+            for rule in self.rules:
+                self._evaluate_rule(rule, env, now, errors, transitions)
         self._restore = {}  # Prometheus restores once, at the first evaluation
         self._note_health(errors)
         alerts = sorted((i.snapshot() for i in self._active.values()),
@@ -318,9 +322,9 @@ class Evaluator:
             first.setdefault(e.rule, e)
         every = first.get("*")  # the variables failed: no rule was evaluated
         for name, old in self._health.items():
-            e = first.get(name, every)
-            health, last_error = ((RuleHealth.OK, "") if e is None
-                                  else (RuleHealth.ERR, f"{e.where}: {e.error}"))
+            err = first.get(name, every)
+            health, last_error = ((RuleHealth.OK, "") if err is None
+                                  else (RuleHealth.ERR, f"{err.where}: {err.error}"))
             if (old.health, old.last_error) != (health, last_error):  # a new model only then
                 self._health[name] = RuleStatus(rule=name, health=health, last_error=last_error)
 

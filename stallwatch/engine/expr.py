@@ -23,7 +23,8 @@ import re
 import sys
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Iterable, Mapping
+from typing import Any
+from collections.abc import Iterable, Mapping
 
 
 def _load_cel() -> ModuleType:
@@ -111,9 +112,8 @@ _TOKEN = re.compile(
 )
 
 # Names that look like identifiers but are not variables.
-_NOT_VARIABLES = frozenset(
-    "true false null in int uint double bool string bytes list map null_type type dyn".split()
-)
+_NOT_VARIABLES = frozenset(["true", "false", "null", "in", "int", "uint", "double", "bool", "string", "bytes",
+                            "list", "map", "null_type", "type", "dyn"])
 _MACROS = frozenset({"all", "exists", "exists_one", "map", "filter"})
 
 
@@ -348,7 +348,7 @@ def _cel_type(value: Any) -> str:
 def _compile_program(source: str) -> Any:
     try:
         return cel.compile(source)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - the CEL library raises its own types, re-raised as ExprError
         text = str(exc)
         m = _POSITION.search(text)
         if m:
@@ -375,7 +375,7 @@ def compile_expr(
     toks = _tokens(source)
     try:
         program = cel.compile(_doubles(source, toks))
-    except Exception:
+    except Exception:  # noqa: BLE001 - re-raised as ExprError with the source's positions
         _compile_program(source)  # raises, with positions that refer to the source as written
         raise ExprError("internal: the numeric rewrite broke a valid expression") from None
     expr = Expr(source, tuple(_references(toks)), frozenset(_bound_names(toks)), program)

@@ -10,7 +10,8 @@ import difflib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from stallwatch.vocab import SEVERITIES, VERDICT_KINDS
 
@@ -176,7 +177,8 @@ class _Validator:
         advice = self.templates(path + ("advice",), t.get("advice", []))
         evidence = self.evidence_list(path + ("evidence",), t.get("evidence", []))
         labels = self.labels(path + ("labels",), t.get("labels", {}))
-        if len(self.errors) > before or None in (name, kind, condition, summary):
+        if (len(self.errors) > before or name is None or kind is None or condition is None
+                or summary is None or severity is None):
             return None
         return Rule(name=name, kind=kind, condition=condition, summary=summary,
                     severity=severity, priority=priority, for_s=for_s, keep_firing_for_s=keep_s,

@@ -12,7 +12,8 @@ from __future__ import annotations
 import copy
 import difflib
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from stallwatch.model import Frozen
 
@@ -154,11 +155,12 @@ def _scaled(rates: dict[str, Any], elapsed: float, start: dict[str, Any]) -> dic
 
 
 def _unset(d: dict[str, Any], keys: list[str]) -> None:
+    here: Any = d
     for k in keys[:-1]:
-        d = d.get(k)
-        if not isinstance(d, dict):
+        here = here.get(k)
+        if not isinstance(here, dict):
             return
-    d.pop(keys[-1], None)
+    here.pop(keys[-1], None)
 
 
 def _run_case(test: dict[str, Any], timeline: list[tuple[float, dict[str, Any]]],

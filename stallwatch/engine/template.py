@@ -7,7 +7,8 @@ broken alert at 3 a.m.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
+from collections.abc import Iterable, Mapping
 
 from .expr import (Expr, ExprError, ExprEvalError, Vars, compile_expr, format_value,
                    line_col)

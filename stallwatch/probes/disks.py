@@ -15,7 +15,8 @@ import select
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Any, Literal
+from collections.abc import Callable
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.kernel.diskfs import (
@@ -189,7 +190,7 @@ class DisksProbe:
         try:
             events = self._mi_poll.poll(0)
         except OSError:
-            events = [(self._mi_fd, select.POLLERR)]
+            events = [(-1, select.POLLERR)]  # read as an error on the mount table: re-read it
         if events and any(ev & select.POLLNVAL for _, ev in events):
             self.close()
         return bool(events)
@@ -321,7 +322,7 @@ class DisksProbe:
             detail = (f"statvfs on {path} did not return in {self.statvfs_deadline_s:g} s{where}"
                       if status is ProbeStatus.timeout else
                       f"statvfs on {path} has not returned for {age:.0f} s{where}; not retried until it does")
-        entry = dict(
+        entry: dict[str, Any] = dict(
             path=path, kind=kind, status=status, detail=detail, mount=mount, device=device,
             fs_path=path_in_filesystem(mount, resolved) if mount and mount.root != "/" else None,
             read_only=mount.read_only if mount else None,
@@ -331,13 +332,13 @@ class DisksProbe:
             entry.update(_space(facts.st), exists=facts.exists, resolved_path=facts.resolved,
                          statvfs_latency_s=max(0.0, (call.finished or now) - call.started))
             if facts.shm is not None:
-                entry.update(zip(("shm_segments", "sgl_shm_segments", "sgl_shm_bytes"), facts.shm))
+                entry.update(zip(("shm_segments", "sgl_shm_segments", "sgl_shm_bytes"), facts.shm, strict=True))
         return PathUsage(**entry)
 
 
 def _device_io(cur: DiskStat, prev_t: tuple[DiskStat, float] | None, now: float,
                stuck_since: dict[str, float]) -> BlockDeviceIO:
-    base = dict(
+    base: dict[str, Any] = dict(
         name=cur.name, major=cur.major, minor=cur.minor, inflight_ios=cur.inflight_ios,
         read_bytes_total=cur.sectors_read * SECTOR_BYTES,
         write_bytes_total=cur.sectors_written * SECTOR_BYTES,

@@ -201,7 +201,7 @@ class GpuProbe:
         self._slow_background = slow_in_background
         self._slow_thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._system: dict[str, str | None] | None = None
+        self._system: dict[str, Any] | None = None
         self._devices: dict[int, _Device] = {}
         self._by_handle: dict[Any, int] = {}
         self._slow_at: float | None = None
@@ -282,7 +282,7 @@ class GpuProbe:
             except Exception as e:  # noqa: BLE001 - a bug here must not end silently either
                 dev.slow = {**dev.slow, "errors": {"slow_path": describe(e)}}
 
-    def _system_info(self) -> dict[str, str | None]:
+    def _system_info(self) -> dict[str, Any]:
         nv = self.nvml
         cuda = nv.call_first(("nvmlSystemGetCudaDriverVersion_v2", "nvmlSystemGetCudaDriverVersion"))
         return {
@@ -326,7 +326,7 @@ class GpuProbe:
                 errors.setdefault(k, v)
         if procs is not None:
             util = dev.slow.get("proc_util", {})
-            procs = [p.model_copy(update=dict(zip(("sm_util_pct", "mem_util_pct"), util[p.pid])))
+            procs = [p.model_copy(update=dict(zip(("sm_util_pct", "mem_util_pct"), util[p.pid], strict=True)))
                      if p.pid in util else p for p in procs]
         return GpuDeviceObs(
             index=i, uuid=dev.uuid, name=dev.name, pci_bus_id=dev.pci_bus_id, lost=lost,

@@ -14,6 +14,9 @@ import os
 import stat
 from collections import Counter, deque
 from pathlib import Path
+from typing import Any
+
+from pydantic import Field
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.kernel.kmsgparse import KernelEvent, KernelEventParser, KmsgRecord, parse_record
@@ -34,7 +37,7 @@ class KernelLogObs(Frozen):
     records_read: int = 0  # this tick
     records_lost: int = 0  # since start: overwritten before we read them (seq gaps)
     events: tuple[KernelEvent, ...] = ()  # the ring: the last N events, oldest first
-    counts: dict[str, int] = {}  # events by kind since the probe started
+    counts: dict[str, int] = Field(default_factory=dict)  # events by kind since the probe started
     boot_wall_time: float | None = None
 
 
@@ -85,8 +88,9 @@ class KmsgReader:
 
     def read(self, limit: int) -> list[KmsgRecord]:
         """Up to `limit` new records; fewer when the log has no more right now."""
-        assert self._fd is not None
-        raw = self._read_file(limit) if self._is_file else self._read_device(limit)
+        fd = self._fd
+        assert fd is not None
+        raw = self._read_file(fd, limit) if self._is_file else self._read_device(fd, limit)
         out: list[KmsgRecord] = []
         for chunk in raw:
             rec = parse_record(chunk)
@@ -98,12 +102,12 @@ class KmsgReader:
             out.append(rec)
         return out
 
-    def _read_device(self, limit: int) -> list[str]:
+    def _read_device(self, fd: int, limit: int) -> list[str]:
         out: list[str] = []
         overrun = 0
         while len(out) < limit:
             try:
-                data = os.read(self._fd, _READ_SIZE)
+                data = os.read(fd, _READ_SIZE)
             except BlockingIOError:
                 break  # EAGAIN: nothing more for now
             except OSError as e:
@@ -120,15 +124,15 @@ class KmsgReader:
             out.append(data.decode("utf-8", "replace"))
         return out
 
-    def _read_file(self, limit: int) -> list[str]:
+    def _read_file(self, fd: int, limit: int) -> list[str]:
         # A text dump: one record a line; continuation lines start with a space. The file may be
         # rewritten shorter (a fixture regenerated): start over and let seq filtering skip.
-        if os.fstat(self._fd).st_size < os.lseek(self._fd, 0, os.SEEK_CUR):
-            os.lseek(self._fd, 0, os.SEEK_SET)
+        if os.fstat(fd).st_size < os.lseek(fd, 0, os.SEEK_CUR):
+            os.lseek(fd, 0, os.SEEK_SET)
             self._partial = b""
         out: list[str] = []
         while len(out) < limit:
-            data = os.read(self._fd, _READ_SIZE)
+            data = os.read(fd, _READ_SIZE)
             if not data:
                 break
             lines = (self._partial + data).split(b"\n")
@@ -169,7 +173,7 @@ class KernelLogProbe:
         self._reader.close()
 
     def collect(self) -> KernelLogObs:
-        common = dict(source=str(self.roots.kmsg), history=self._reader.history)
+        common: dict[str, Any] = dict(source=str(self.roots.kmsg), history=self._reader.history)
         prev = self._reader.last_seq
         try:
             self.open()

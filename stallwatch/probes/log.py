@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import statistics
 from collections import deque
+from itertools import pairwise
 from typing import Literal
 
 from stallwatch.probes.text.bars import BarSet, MultiBars
@@ -102,7 +103,7 @@ def _history_pace(marks: list[tuple[LineTime | None, float]]
     if len(run) < 2:
         return None
     run.reverse()
-    deltas = [gap_s(a, b) or 0.0 for (a, _), (b, _) in zip(run, run[1:])]
+    deltas = [gap_s(a, b) or 0.0 for (a, _), (b, _) in pairwise(run)]
     span = sum(deltas)
     rate = (run[-1][1] - run[0][1]) / span if span > 0 else None
     return deltas, rate, span, run[0][0].style
@@ -110,7 +111,7 @@ def _history_pace(marks: list[tuple[LineTime | None, float]]
 
 def _p90(xs: list[float]) -> float:
     s = sorted(xs)
-    return s[min(len(s) - 1, int(round(0.9 * (len(s) - 1))))]
+    return s[min(len(s) - 1, round(0.9 * (len(s) - 1)))]
 
 
 class LogProbe:
@@ -210,7 +211,7 @@ class LogProbe:
         self._tqdm_history.clear()
         self._marks.clear()
         at = self._mono_of(r.mtime_s, self.clock.monotonic()) if r.first else self.clock.monotonic()
-        for line, (ups, newline) in zip(r.lines, r.meta):
+        for line, (ups, newline) in zip(r.lines, r.meta, strict=True):  # appended together
             peeked, self._peeked = line == self._peeked, None
             ev = None if peeked else self.parser.parse(line)
             if ev is not None:
@@ -346,9 +347,9 @@ class LogProbe:
         deltas: list[float] = []
         prev: ProgressEvent | None = None
         for ev in self._tqdm_history:
-            if prev is not None and ev.elapsed_s is not None and prev.elapsed_s is not None:
-                if ev.total == prev.total and ev.elapsed_s >= prev.elapsed_s and ev.done != prev.done:
-                    deltas.append(ev.elapsed_s - prev.elapsed_s)
+            if (prev is not None and ev.elapsed_s is not None and prev.elapsed_s is not None
+                    and ev.total == prev.total and ev.elapsed_s >= prev.elapsed_s and ev.done != prev.done):
+                deltas.append(ev.elapsed_s - prev.elapsed_s)
             prev = ev
         if len(deltas) >= 3:
             self._intervals.extend(deltas[-self.CADENCE_RING :])

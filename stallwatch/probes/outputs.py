@@ -502,7 +502,7 @@ class OutputsProbe:
     def close(self) -> None:
         self._stop_watch()
 
-    def __enter__(self) -> "OutputsProbe":
+    def __enter__(self) -> OutputsProbe:
         return self
 
     def __exit__(self, *exc: object) -> None:

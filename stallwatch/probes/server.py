@@ -23,15 +23,16 @@ from __future__ import annotations
 import http.client
 import json
 import math
-import socket
 import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import Field
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.model import Frozen
@@ -76,11 +77,11 @@ class MetricsObs(Frozen):
     error: str | None = None
     age_s: float | None = None  # since this scrape finished
     interval_s: float | None = None  # between the two scrapes the rates come from
-    counters: dict[str, float] = {}  # summed over label sets (tp_rank, category, mode ...)
-    rates_per_s: dict[str, float] = {}
+    counters: dict[str, float] = Field(default_factory=dict)  # summed over label sets (tp_rank, category, mode ...)
+    rates_per_s: dict[str, float] = Field(default_factory=dict)
     counter_resets: tuple[str, ...] = ()  # went down: the server restarted between scrapes
     # Gauges use multiprocess `mostrecent`: a hung scheduler keeps showing its last values.
-    gauges: dict[str, float] = {}
+    gauges: dict[str, float] = Field(default_factory=dict)
     gauges_possibly_stale: bool = False  # they claim work but no progress counter moved
     progress_unchanged_for_s: float | None = None  # no PROGRESS_COUNTERS movement for this long
     gauges_unchanged_for_s: float | None = None
@@ -314,7 +315,7 @@ class ServerProbe:
                 conn.connect()
             except ConnectionRefusedError:
                 return _Answer(path, error=f"connection refused by {self.host}:{self.port}", connected=False)
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 return _Answer(path, error=f"connect to {self.host}:{self.port} timed out after "
                                f"{timeout_s:g} s", timed_out=True, connected=False)
             except OSError as e:  # unresolvable host, no route, reset during connect
@@ -332,7 +333,7 @@ class ServerProbe:
                                    f"{self.max_response_bytes} byte cap")
                 error = None if resp.status == 200 else f"GET {path}: HTTP {resp.status} {resp.reason}"
                 return _Answer(path, resp.status, body, error=error)
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 return _Answer(path, error=f"GET {path} did not answer within {timeout_s:g} s",
                                timed_out=True)
             except (http.client.HTTPException, OSError) as e:
@@ -380,7 +381,7 @@ class _MetricsState:
         self._clock = clock
         self._lock = threading.Lock()
         self._prev: tuple[dict[str, float], float] | None = None
-        self._obs: tuple[dict, float] | None = None  # fields of the last MetricsObs, and when
+        self._obs: tuple[dict[str, Any], float] | None = None  # fields of the last MetricsObs, and when
         self._progress_changed_at: float | None = None
         self._gauges_changed_at: float | None = None
         self._last_gauges: dict[str, float] | None = None
@@ -402,8 +403,8 @@ class _MetricsState:
             fields.update(ok=True, counters=counters, gauges=gauges, families=families)
             self._obs = (fields, now)
 
-    def _rates(self, counters: dict[str, float], gauges: dict[str, float], now: float) -> dict:
-        out: dict = {}
+    def _rates(self, counters: dict[str, float], gauges: dict[str, float], now: float) -> dict[str, Any]:
+        out: dict[str, Any] = {}
         prev = self._prev
         self._prev = (counters, now)
         if self._last_gauges != gauges:
@@ -423,7 +424,7 @@ class _MetricsState:
             elif dt > 0:
                 rates[name] = (value - before[name]) / dt
         moved = any(counters.get(n) != before.get(n) for n in PROGRESS_COUNTERS if n in counters)
-        if moved or resets:
+        if moved or resets or self._progress_changed_at is None:
             self._progress_changed_at = now
         tracked = any(n in counters for n in PROGRESS_COUNTERS)
         out.update(
@@ -440,7 +441,7 @@ class _MetricsState:
             fields, at = self._obs
             gauges_changed_at = self._gauges_changed_at
         now = self._clock.monotonic()
-        extra = dict(age_s=now - at)
+        extra: dict[str, Any] = dict(age_s=now - at)
         if fields.get("ok") and gauges_changed_at is not None:
             extra["gauges_unchanged_for_s"] = at - gauges_changed_at
         return MetricsObs(**fields, **extra)

@@ -89,7 +89,7 @@ class Tee:
 
     def __init__(self, stream: TextIO, log_path: str | None) -> None:
         self.stream = stream
-        self.log = open(log_path, "a", encoding="utf-8") if log_path else None
+        self.log = open(log_path, "a", encoding="utf-8") if log_path else None  # noqa: SIM115 - held for the Tee's life, closed by close()
         self._lock = threading.Lock()
 
     def write(self, s: str) -> int:
@@ -311,12 +311,10 @@ def build_record(ids: list[int], mask: list[int], meta: dict, dtype: str, use_to
         import torch
 
         dt = getattr(torch, dtype)
-        rec = {"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask, dtype=torch.long),
-               "hidden_state": torch.tensor(hidden, dtype=dt).unsqueeze(0)}
-        return rec
-    rec = {"input_ids": ptfile.Tensor.from_list(ids, "int64"), "loss_mask": ptfile.Tensor.from_list(mask, "int64"),
-           "hidden_state": ptfile.Tensor.from_list([hidden], dtype)}
-    return rec
+        return {"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask, dtype=torch.long),
+                "hidden_state": torch.tensor(hidden, dtype=dt).unsqueeze(0)}
+    return {"input_ids": ptfile.Tensor.from_list(ids, "int64"), "loss_mask": ptfile.Tensor.from_list(mask, "int64"),
+            "hidden_state": ptfile.Tensor.from_list([hidden], dtype)}
 
 
 # ------------------------------------------------------------------------------------ run
@@ -416,7 +414,7 @@ class Extraction:
         results = fut.result()
         if len(results) != len(batch):
             raise RuntimeError(f"server answered {len(results)} results for a batch of {len(batch)}")
-        for (idx, ids, mask), res in zip(batch, results):
+        for (idx, ids, mask), res in zip(batch, results, strict=True):
             meta = res.get("meta_info") or {}
             try:
                 rec = build_record(ids, mask, meta, self.a.dtype, self.use_torch)

@@ -38,7 +38,7 @@ class FrontMetrics:
         self.ttft = Histogram("sglang:time_to_first_token_seconds", "Histogram of time to first "
                               "token in seconds.", names, registry=r, buckets=self.TTFT_BUCKETS
                               ).labels(**self.labels)
-        self.snapshots: dict[int, dict] = {}
+        self.snapshots: dict[tuple[int, int], dict] = {}
         r.register(self)  # collect() below: the scheduler-side families
 
     def observe(self, prompt_tokens: int, completion_tokens: int, e2e_s: float, ttft_s: float | None) -> None:

@@ -26,7 +26,8 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 __all__ = ["ModelConfig", "StepOutput", "TinyModel", "PythonTinyModel", "TorchTinyModel",
            "load_model", "default_aux_layers", "resolve_device"]
@@ -128,12 +129,12 @@ class PythonTinyModel(TinyModel):
             cache.count += 1
             inv = 1.0 / cache.count
             captured = {}
-            for layer, (w, u, b) in enumerate(zip(self._w, self._u, self._b)):
+            for layer, (w, u, b) in enumerate(zip(self._w, self._u, self._b, strict=True)):
                 s = cache.sums[layer]
                 for i, xi in enumerate(x):
                     s[i] += xi
                 # causal mean mixing, then an element-wise tanh block with a residual
-                x = [xi + tanh(wi * xi + ui * si * inv + bi) for xi, wi, ui, si, bi in zip(x, w, u, s, b)]
+                x = [xi + tanh(wi * xi + ui * si * inv + bi) for xi, wi, ui, si, bi in zip(x, w, u, s, b, strict=True)]
                 if layer in aux_layers:
                     captured[layer] = x
             if return_hidden:

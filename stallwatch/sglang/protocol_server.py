@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         front_from_sched, sched_to_front = ctx.Pipe(duplex=False)
         conns[front_from_sched] = f"scheduler {rank}"
         child_ends.append(sched_to_front)
+        pargs: tuple[Any, ...]  # Scheduler's arguments: rank 0 plans and sends, the others follow
         if rank == 0:
             pargs = (cfg, 0, send_q, None, [w for _, w in plan_pipes], sched_to_detok, sched_to_front,
                      [r for r, _ in ack_pipes])

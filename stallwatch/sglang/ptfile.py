@@ -39,7 +39,8 @@ import zlib
 from array import array
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
+from collections.abc import Iterable, Sequence
 
 __all__ = ["Tensor", "PtFileError", "save", "load", "check", "DTYPES", "torch_available"]
 
@@ -98,7 +99,7 @@ class Tensor:
     # -- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_list(cls, values: Any, dtype: str = "float32") -> "Tensor":
+    def from_list(cls, values: Any, dtype: str = "float32") -> Tensor:
         """From a (rectangular) nested list of numbers, like torch.tensor(values, dtype=...)."""
         shape = _infer_shape(values)
         flat = _flatten(values, len(shape))
@@ -158,7 +159,8 @@ def _indices(shape: Sequence[int], stride: Sequence[int], offset: int) -> Iterab
     if any(s == 0 for s in shape):
         return
     while True:
-        yield offset + sum(i * st for i, st in zip(idx, stride))
+        # shape and stride both come from the file: a short stride is not a crash here
+        yield offset + sum(i * st for i, st in zip(idx, stride, strict=False))
         d = len(shape) - 1
         while d >= 0:
             idx[d] += 1
@@ -399,11 +401,11 @@ def save(obj: Any, path: str | os.PathLike, *, atomic: bool = False, use_torch: 
     `fsync` defaults to `atomic`.
     """
     path = Path(path)
-    torch = None
+    torch: Any = None
     if use_torch or use_torch is None:
         try:
-            import torch  # type: ignore[no-redef]
-        except Exception:  # noqa: BLE001
+            import torch
+        except Exception:
             if use_torch:
                 raise
             torch = None

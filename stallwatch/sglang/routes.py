@@ -49,7 +49,7 @@ def _normalize(body: dict, vocab: int) -> list[dict]:
     if rids is not None and len(rids) != len(items):
         raise _BadRequest("rid must have one entry per prompt")
     out = []
-    for i, (ids, p) in enumerate(zip(items, sps)):
+    for i, (ids, p) in enumerate(zip(items, sps, strict=True)):
         if not isinstance(p, dict):
             raise _BadRequest("sampling_params must be an object")
         mnt = p.get("max_new_tokens", 128)
@@ -185,7 +185,7 @@ class Handler(BaseHTTPRequestHandler):
         if want_hidden and not a.enable_return_hidden_states:
             raise _BadRequest("The server is not configured to return the hidden states. Please set "
                               "`--enable-return-hidden-states` to enable this feature.")
-        items, batch = _normalize(body, a.vocab_size)  # type: ignore[misc]
+        items, batch = _normalize(body, a.vocab_size)
         states = []
         for it in items:
             states.append((it, tm.submit(it["rid"], it["input_ids"], it["max_new_tokens"],

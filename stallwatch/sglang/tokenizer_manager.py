@@ -11,7 +11,8 @@ import threading
 import time
 import traceback
 import uuid
-from typing import Any, Callable
+from typing import Any, cast
+from collections.abc import Callable
 
 from stallwatch.sglang.front_metrics import FrontMetrics
 from stallwatch.sglang.procutil import logger
@@ -59,9 +60,10 @@ class TokenizerManager:
         threading.Thread(target=self._watch_children, name="child-watch", daemon=True).start()
 
     def _recv_loop(self) -> None:
-        conns = list(self.conns)
+        conns: list[mpc.Connection] = list(self.conns)
         while conns:
-            for c in mpc.wait(conns):
+            # wait() hands back the very objects it was given: connections here
+            for c in cast("list[mpc.Connection]", mpc.wait(conns)):
                 try:
                     msg = c.recv()
                 except (EOFError, OSError):

@@ -18,7 +18,8 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from stallwatch.sglang.procutil import flush_logs, logger
 from stallwatch.sglang.versions import Shape

@@ -20,7 +20,7 @@ import argparse
 import logging
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timezone, UTC
 
 from pt_writer import deadlock  # two threads, two locks, the main thread joins: all asleep
 
@@ -38,7 +38,7 @@ def line_for(style: str, n: int, started: float) -> str:
     local = datetime.fromtimestamp(now)
     msg = f"processed {n}/{TOTAL} items"
     if style == "iso":
-        return f"{datetime.fromtimestamp(now, timezone.utc).isoformat()} {msg}\n"
+        return f"{datetime.fromtimestamp(now, UTC).isoformat()} {msg}\n"
     if style == "bracket":
         return f"[{local:%Y-%m-%d %H:%M:%S}] {msg}\n"
     if style == "hms":
@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--stall-at", type=int, default=0)
     ap.add_argument("--stall", choices=("spin", "deadlock"), default="spin")
     a = ap.parse_args()
-    out = open(a.log, "a", buffering=1)
+    out = open(a.log, "a", buffering=1)  # noqa: SIM115 - the job's log, open for the job's life
     log = None
     if a.style == "logging":
         handler = logging.StreamHandler(out)
