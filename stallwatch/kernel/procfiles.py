@@ -116,3 +116,38 @@ def _close_all(fds: dict[str, int]) -> None:
         except OSError:
             pass
     fds.clear()
+
+
+class ProcPaths:
+    """The paths of a Roots' procfs as strings, for the processes probe: it names thousands of
+    per-thread files and keeps their descriptors by path (ProcFiles), and pathlib's joins cost
+    more than the reads. The one place that knows their layout (issue 21)."""
+
+    __slots__ = ("root",)
+
+    def __init__(self, roots: Roots) -> None:
+        self.root = os.fspath(roots.proc)
+
+    def host(self, name: str) -> str:
+        """A host-wide file: "stat", "uptime"."""
+        return f"{self.root}/{name}"
+
+    def pid(self, pid: int, name: str = "") -> str:
+        """A process's directory, or a file under it ("stat", "fd/3", "net/tcp")."""
+        return f"{self.root}/{pid}/{name}" if name else f"{self.root}/{pid}"
+
+    def task(self, pid: int, tid: int, name: str = "") -> str:
+        """One thread's directory, or a file under it ("schedstat", "children")."""
+        return f"{self.root}/{pid}/task/{tid}/{name}" if name else f"{self.root}/{pid}/task/{tid}"
+
+    def is_host(self) -> bool:
+        """Whether this is the host's own /proc (not a fixture tree or a container's)."""
+        return os.path.normpath(self.root) == "/proc"
+
+    def is_procfs(self) -> bool:
+        """Whether it is a mounted procfs: its root is inode 1 (PROC_ROOT_INO). A fixture tree's
+        files are replaced on disk, and a descriptor kept on one would read the old file."""
+        try:
+            return os.stat(self.root).st_ino == 1
+        except OSError:
+            return False

@@ -30,7 +30,7 @@ from typing import Callable, Mapping, Protocol, Sequence, TypeVar
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.kernel import procfs
-from stallwatch.kernel.procfiles import ProcFiles
+from stallwatch.kernel.procfiles import ProcFiles, ProcPaths
 from stallwatch.kernel.roots import DEFAULT_ROOTS, Absent, Denied, Roots
 from stallwatch.probes import torchrun
 from stallwatch.probes.processes_obs import (ExitObs, IoObs, OpenFileObs, ProcessesObs,
@@ -89,7 +89,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         self.roots, self.clock = roots, clock
         # Paths are built as strings: this probe opens thousands of /proc files a tick and
         # pathlib's joins cost more than the reads (bench/: docs/performance.md).
-        self._proc = os.fspath(roots.proc)
+        self._paths = ProcPaths(roots)
         self._stat_cache: dict[str, tuple[str, procfs.Stat]] = {}
         self._children_ok: bool | None = None  # the kernel has /proc/PID/task/TID/children
         self._full_scan_at: float | None = None
@@ -105,7 +105,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         self.match_uid = match_uid
         self._explicit = tuple(dict.fromkeys(int(p) for p in targets.pids))
         self._match = re.compile(targets.match) if targets.match else None
-        if self_pid is None and Path(roots.proc) == Path("/proc"):
+        if self_pid is None and self._paths.is_host():
             self_pid = os.getpid()
         self._self_pid = self_pid
         self._tck = clk_tck or os.sysconf("SC_CLK_TCK")
@@ -132,11 +132,8 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         self._schedstat_ok: bool | None = None
         # Kept descriptors only on the real procfs (its root is inode 1, PROC_ROOT_INO): a
         # fixture tree's files are replaced on disk, and a kept descriptor would read the old.
-        try:
-            on_procfs = os.stat(self._proc).st_ino == 1
-        except OSError:
-            on_procfs = False
-        self._kept = ProcFiles(roots, None if on_procfs else 0, keep=2 * STAT_EVERY_TICKS)
+        self._kept = ProcFiles(roots, None if self._paths.is_procfs() else 0,
+                               keep=2 * STAT_EVERY_TICKS)
         self._cmdlines: dict[tuple[int, int, str], tuple[str, ...]] = {}
         self._ranks: dict[tuple[int, int], torchrun.RankInfo | None] = {}
         self._exits: list[_Exit] = []
@@ -244,7 +241,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
 
     def _start_time(self, start_ticks: int) -> float:
         if self._btime is None:
-            self._btime = procfs.parse_btime(self.roots.read_text(self.roots.proc / "stat"))
+            self._btime = procfs.parse_btime(self.roots.read_text(self._paths.host("stat")))
         return self._btime + start_ticks / self._tck
 
     def _optional(self, path: str | Path, parse: Callable[[str], T], signal: str,
@@ -362,7 +359,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
 
     def _fds(self, pid: int, tick: _Tick) -> dict[int, str] | None:
         """fd -> readlink target, for at most max_fds_scanned fds; None when unreadable."""
-        fd_dir = f"{self._pd(pid)}/fd"
+        fd_dir = self._paths.pid(pid, "fd")
         links = {}
         try:
             names = sorted(int(n) for n in self.roots.listdir(fd_dir) if n.isdigit())
@@ -393,7 +390,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         for fd, path in others[:self.max_open_files]:
             write = pos = None
             if path.startswith("/") and not path.startswith("/dev/"):
-                info = self._optional(f"{self._pd(pid)}/fdinfo/{fd}",
+                info = self._optional(self._paths.pid(pid, f"fdinfo/{fd}"),
                                       procfs.parse_fdinfo, "fdinfo", tick.denied)
                 if info is not None:
                     pos, flags = info
@@ -404,13 +401,12 @@ class ProcessesProbe(TreeWalk, ThreadReader):
     def _tcp(self, pid: int, inodes: dict[int, int], tick: _Tick) -> tuple[SocketObs, ...]:
         # Socket tables belong to a network namespace: read the target's own view, once per
         # namespace per tick.
-        d = self.roots.pid_dir(pid)
-        ns = self._link(d / "ns" / "net", "ns", tick) or f"pid:{pid}"
+        ns = self._link(self._paths.pid(pid, "ns/net"), "ns", tick) or f"pid:{pid}"
         table = tick.net.get(ns)
         if table is None:
             table = {}
             for name in ("tcp", "tcp6"):
-                socks = self._optional(d / "net" / name, procfs.parse_net_tcp, "net", tick.denied)
+                socks = self._optional(self._paths.pid(pid, f"net/{name}"), procfs.parse_net_tcp, "net", tick.denied)
                 table.update((sock.inode, sock) for sock in socks or ())
             tick.net[ns] = table
         return tuple(

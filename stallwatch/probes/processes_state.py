@@ -3,11 +3,11 @@ of probes/processes.py as they were)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Literal
 
 from stallwatch.kernel import procfs
+from stallwatch.kernel.procfiles import ProcPaths
 from stallwatch.kernel.roots import Absent, Denied, Roots
 from stallwatch.probes.processes_obs import Role, ThreadObs
 
@@ -141,6 +141,6 @@ class _Budget:
 def uid_of(roots: Roots, pid: int) -> int | None:
     """A process's real uid (the first Uid field of its status); None when unreadable."""
     try:
-        return procfs.parse_status(roots.read_text(f"{os.fspath(roots.proc)}/{pid}/status")).uid
+        return procfs.parse_status(roots.read_text(ProcPaths(roots).pid(pid, "status"))).uid
     except (Absent, Denied, ValueError, KeyError, IndexError):
         return None

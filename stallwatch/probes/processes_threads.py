@@ -1,7 +1,7 @@
 """The processes probe's per-thread reading: only what can have changed since the last tick (issue
 17; moved out of probes/processes.py as it was).
 
-A mixin of ProcessesProbe: it uses the probe's roots, _proc, _kept, _memos, _tck, _runq,
+A mixin of ProcessesProbe: it uses the probe's roots, _paths, _kept, _memos, _tck, _runq,
 _syscalls, read_stacks and its _optional, _track, _has_schedstat and _kept_or_none."""
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ class ThreadReader:
         if exec_start_s is None:
             return None
         if tick.uptime_s is None:
-            up = self._optional(f"{self._proc}/uptime", procfs.parse_uptime_s, "uptime",
+            up = self._optional(self._paths.host("uptime"), procfs.parse_uptime_s, "uptime",
                                 tick.denied)
             tick.uptime_s = up if up is not None else -1.0
         return None if tick.uptime_s < 0 else max(0.0, tick.uptime_s - exec_start_s)

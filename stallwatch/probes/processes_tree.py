@@ -2,7 +2,7 @@
 descendants, found through the kernel's per-thread `children` lists or a scan of /proc (moved
 out of probes/processes.py as they were).
 
-A mixin of ProcessesProbe: it uses the probe's roots, clock, _proc, _memos, _kids, _tid_lists,
+A mixin of ProcessesProbe: it uses the probe's roots, clock, _paths, _memos, _kids, _tid_lists,
 _kept, _stat_cache, _cmdlines and the target settings that ProcessesProbe.__init__ sets."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from stallwatch.probes.processes_state import _Tick, uid_of
 
 class TreeWalk:
     def _pd(self, pid: int, tid: int | None = None) -> str:
-        """roots.pid_dir() as a string."""
-        return f"{self._proc}/{pid}" if tid is None else f"{self._proc}/{pid}/task/{tid}"
+        """A process's or a thread's /proc directory (kernel/procfiles.ProcPaths)."""
+        return self._paths.pid(pid) if tid is None else self._paths.task(pid, tid)
 
     # Finding new descendants by reading every /proc/*/stat costs ~11 µs per process on the
     # host each tick (20 ms on a 2,000-process GPU node); the kernel's per-thread `children`
@@ -44,7 +44,7 @@ class TreeWalk:
     def _children_readable(self) -> bool:
         if self._children_ok is None:
             me = os.getpid()
-            self._children_ok = os.path.isfile(f"{self._proc}/{me}/task/{me}/children")
+            self._children_ok = os.path.isfile(self._paths.task(me, me, "children"))
         return self._children_ok
 
     def _scan_tree(self, tick: _Tick) -> dict[int, procfs.Stat] | None:
@@ -85,7 +85,7 @@ class TreeWalk:
         sched_ok = self._has_schedstat(pid)
         while True:
             out: list[int] = []
-            memos, kids_memo, read = self._memos, self._kids, self._kept.read
+            memos, kids_memo, read, paths = self._memos, self._kids, self._kept.read, self._paths
             for tid in tids:  # the hot loop of a wide job: kept short
                 key = (pid, tid)
                 sched = None
@@ -93,7 +93,7 @@ class TreeWalk:
                     m = memos.get(key)
                     try:
                         sched = read(m.sched_path if m is not None else
-                                     f"{self._proc}/{pid}/task/{tid}/schedstat")
+                                     paths.task(pid, tid, "schedstat"))
                     except (Absent, Denied):
                         if not listed:
                             break  # a thread is gone: the list changed, read it again
@@ -105,7 +105,7 @@ class TreeWalk:
                     continue
                 try:
                     kids = [int(k) for k in self.roots.read_small(
-                        f"{self._proc}/{pid}/task/{tid}/children").split()]
+                        paths.task(pid, tid, "children")).split()]
                 except Absent:
                     continue
                 if sched is not None:
@@ -151,7 +151,7 @@ class TreeWalk:
     def _scan_all(self) -> dict[int, procfs.Stat]:
         stats = {}
         cache, self._stat_cache = self._stat_cache, {}
-        for name in self.roots.listdir(self.roots.proc):
+        for name in self.roots.listdir(self._paths.root):
             if name.isdigit():
                 st = self._read_stat(int(name), cache)
                 if st is not None:
