@@ -18,14 +18,15 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import cel  # noqa: E402
-import celpy  # noqa: E402
+import cel
+import celpy
 
-from stallwatch.engine.expr import Vars, compile_expr, normalise  # noqa: E402
+from stallwatch.engine.expr import Vars, compile_expr, normalise
 
 CONDITIONS = [
     "log.idle_s > stall_threshold_s && proc.d_threads > 0.0 && !job.exited",

@@ -40,7 +40,7 @@ TARGET_S = {"crash": 2.0, "hang": 30.0, "io_stall": 30.0, "server_hang": 30.0}
 class _Hook(http.server.BaseHTTPRequestHandler):
     events: ClassVar[list[tuple[float, dict[str, Any]]]] = []
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         t = time.time()
         try:
@@ -93,8 +93,8 @@ retry_initial_s = 0.2
 
 def _rigs():
     sys.path.insert(0, str(ROOT / "tests"))
-    import faultrigs  # noqa: PLC0415 - tests/ on the path only for this
-    from rigs import RigUnavailable  # noqa: PLC0415
+    import faultrigs  # tests/ on the path only for this
+    from rigs import RigUnavailable
 
     return faultrigs, RigUnavailable
 

@@ -136,7 +136,7 @@ class NvmlFloor:
         self.next_slow = 0.0
         self.last_us = 0
 
-    def _try(self, fn, *args):  # noqa: ANN001, ANN202 - the floor keeps no results
+    def _try(self, fn, *args):  # the floor keeps no results
         try:
             return fn(*args)
         except self.n.NVMLError:

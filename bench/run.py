@@ -30,8 +30,8 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import detection, gpu_live, gpu_traces, overhead  # noqa: E402
-from bench.common import ROOT, dump, loadavg, machine, rnd  # noqa: E402
+from bench import detection, gpu_live, gpu_traces, overhead
+from bench.common import ROOT, dump, loadavg, machine, rnd
 
 # "outputs": growth's outputs-count rows alone (both trees), for a change to that probe only
 SECTIONS = ("overhead", "tick", "growth", "outputs", "detection", "false_positives", "gpu")

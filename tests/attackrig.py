@@ -49,7 +49,8 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 import pytest
 

@@ -21,7 +21,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,7 +61,7 @@ class WebhookReceiver:
         rx = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            def do_POST(self) -> None:  # http.server's name
                 n = int(self.headers.get("Content-Length") or 0)
                 raw = self.rfile.read(n)
                 try:

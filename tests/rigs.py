@@ -25,7 +25,8 @@ import uuid
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -478,7 +479,7 @@ def query_state(state_dir: Path, sql: str, args: tuple = ()) -> list[dict[str, A
     conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
     try:
         cur = conn.execute(sql, args)
-        return [{d[0]: v for d, v in zip(cur.description, row)} for row in cur.fetchall()]
+        return [{d[0]: v for d, v in zip(cur.description, row, strict=True)} for row in cur.fetchall()]
     except sqlite3.OperationalError:
         return []
     finally:

@@ -21,14 +21,15 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import pytest
 
 from stallwatch.alerts.config import parse_alerts
 from stallwatch.alerts.desktop import Agent, DesktopSink, Spool, notify, render
 
-from test_alerts_http import dispatcher, event  # noqa: F401
+from test_alerts_http import dispatcher, event
 
 if not shutil.which("dbus-daemon"):
     pytest.skip("dbus-daemon is not installed (apt-get install dbus): no session bus to test on",

@@ -22,7 +22,7 @@ import time
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 from attackrig import MODES, OTHER, AttackRig

@@ -22,7 +22,8 @@ import threading
 import time
 import zipfile
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
+from collections.abc import Callable
 
 import pytest
 
@@ -246,7 +247,7 @@ class Hook(http.server.BaseHTTPRequestHandler):
 
     events: ClassVar[list[dict[str, Any]]] = []
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         type(self).events.append(json.loads(body))
         self.send_response(200)

@@ -12,7 +12,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 from rigs import dead_fuse_mount, frozen_ext4, loop_ext4, root, spawn_in_state, task_state  # noqa: F401 - root is a fixture

@@ -204,7 +204,7 @@ def test_io_fault_writes_that_sample_elsewhere(server, tmp_path):
 
 @pytest.mark.root
 @pytest.mark.slow
-def test_io_fault_on_a_frozen_fs_blocks_the_writer_in_d(server, tmp_path, root):  # noqa: F811
+def test_io_fault_on_a_frozen_fs_blocks_the_writer_in_d(server, tmp_path, root):
     out, log = tmp_path / "out", tmp_path / "client.log"
     with frozen_ext4() as (mnt, _dev):
         argv = [sys.executable, "-m", "stallwatch.sglang.extract_client", "--server", server.url,

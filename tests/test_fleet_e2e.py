@@ -19,7 +19,6 @@ in docs/fleet.md.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import re

@@ -184,14 +184,14 @@ def test_a_thread_renamed_by_another_is_seen_within_its_stat_turn():
         wait_until(lambda: task_state(proc.pid, tid) == "S", what="the worker to sleep")
         probe = ProcessesProbe(Target(pids=(proc.pid,)), clock=clock)
         old = thread(probe, proc.pid, tid).comm
-        before = open(f"/proc/{proc.pid}/task/{tid}/schedstat").read()
+        before = Path(f"/proc/{proc.pid}/task/{tid}/schedstat").read_text()
         go(proc)
         assert proc.stdout.readline() == b"done\n"
         comms = []
         for _ in range(threads_mod.STAT_EVERY_TICKS):
             clock.advance(1.0)
             comms.append(thread(probe, proc.pid, tid).comm)
-        after = open(f"/proc/{proc.pid}/task/{tid}/schedstat").read()
+        after = Path(f"/proc/{proc.pid}/task/{tid}/schedstat").read_text()
         go(proc)
     assert before == after  # it did not run: only its turn could show the new name
     every = threads_mod.STAT_EVERY_TICKS

@@ -23,7 +23,8 @@ import threading
 import time
 import zipfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import pyte
 import pytest

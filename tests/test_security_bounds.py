@@ -30,7 +30,7 @@ def _no_markup(text: str) -> None:
     assert CHANNEL not in text
 
 
-def test_slack_escapes_everything_the_job_names(receiver_factory) -> None:  # noqa: F811
+def test_slack_escapes_everything_the_job_names(receiver_factory) -> None:
     rx = receiver_factory()
     d = dispatcher([{"type": "slack", "url": rx.url(SLACK_PATH), "mention": "<!here>"}])
     hostile = f"{CHANNEL} <http://evil.example|click> & <@U123>"

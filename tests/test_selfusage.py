@@ -10,7 +10,6 @@ import threading
 import time
 
 import psutil
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch.daemon.metrics import DaemonStats, MetricsExporter

@@ -7,7 +7,7 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 from rigs import wait_until
@@ -37,7 +37,7 @@ class FakeSGLang:
             def log_message(self, *args) -> None:  # keep pytest output clean
                 pass
 
-            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            def do_GET(self) -> None:  # http.server's naming
                 fake.paths.append(self.path)
                 if self.path == "/health_generate" and not fake.has_health_generate:
                     return self.reply(404, b'{"detail":"Not Found"}')

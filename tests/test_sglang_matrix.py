@@ -24,7 +24,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor

@@ -20,10 +20,10 @@ import pytest
 pytest.importorskip("torch", reason="needs torch (pip install -e '.[test]' installs it)")
 pytest.importorskip("tqdm", reason="needs tqdm (a test dependency)")
 
-from stallwatch.probes.discover import _answers_model_info, find_pipeline  # noqa: E402
-from stallwatch.probes.gpu import GpuDeviceObs, GpuObs, GpuProcessObs  # noqa: E402
-from stallwatch.probes.targets import Target  # noqa: E402
-from test_specforge_live import children, kill_tree, torchrun, wait_for  # noqa: E402
+from stallwatch.probes.discover import _answers_model_info, find_pipeline
+from stallwatch.probes.gpu import GpuDeviceObs, GpuObs, GpuProcessObs
+from stallwatch.probes.targets import Target
+from test_specforge_live import children, kill_tree, torchrun, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +64,7 @@ def test_torchrun_ranks_holding_gpu_memory_are_one_job_not_a_server(tmp_path: Pa
 class _Handler(http.server.BaseHTTPRequestHandler):
     body = b""
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:  # http.server's name
         self.send_response(200)
         self.end_headers()
         self.wfile.write(self.body)

@@ -16,7 +16,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import pytest
 import rigs
@@ -24,10 +25,10 @@ import rigs
 pytest.importorskip("torch", reason="needs torch (pip install -e '.[test]' installs it)")
 pytest.importorskip("tqdm", reason="needs tqdm (a test dependency)")
 
-from stallwatch.engine.features import features  # noqa: E402
-from stallwatch.commands.replay import evaluate_trace  # noqa: E402
-from stallwatch.probes.snapshot import Snapshot  # noqa: E402
-from stallwatch.probes.trace import read_trace  # noqa: E402
+from stallwatch.engine.features import features
+from stallwatch.commands.replay import evaluate_trace
+from stallwatch.probes.snapshot import Snapshot
+from stallwatch.probes.trace import read_trace
 
 pytestmark = pytest.mark.slow
 

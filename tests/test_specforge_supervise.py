@@ -15,7 +15,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -23,10 +22,10 @@ import pytest
 pytest.importorskip("torch", reason="needs torch (pip install -e '.[test]' installs it)")
 pytest.importorskip("tqdm", reason="needs tqdm (a test dependency)")
 
-import torch  # noqa: E402
+import torch
 
-from stallwatch.actions.filecheck import validate_file  # noqa: E402
-from test_daemon_live import Harness, fast_rules  # noqa: E402
+from stallwatch.actions.filecheck import validate_file
+from test_daemon_live import Harness, fast_rules
 
 pytestmark = pytest.mark.slow
 

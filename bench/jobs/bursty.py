@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "jobs"))
 
-from extract_like import Bar, output_path, save_checkpoint, save_sample  # noqa: E402
+from extract_like import Bar, output_path, save_checkpoint, save_sample
 
 
 def main() -> int:

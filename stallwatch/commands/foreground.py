@@ -153,7 +153,7 @@ class ForegroundDaemon(Daemon):
         if self.view is not None:
             try:
                 self.view.update(self)
-            except Exception:  # noqa: BLE001 - a drawing bug must not stop the watch
+            except Exception:  # a drawing bug must not stop the watch
                 log.exception("the live view failed; going on without it")
                 self.view = None
         code = self._ended()
@@ -223,7 +223,7 @@ class ForegroundDaemon(Daemon):
                 from stallwatch.commands.live import job_view
 
                 self.final_views = [job_view(r) for r in self.jobs.values()]
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("the live view's last state")
         super().shutdown()
 

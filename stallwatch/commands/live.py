@@ -27,7 +27,8 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from stallwatch.kernel import safefs
 from stallwatch.engine.features import human_bytes, human_s
@@ -61,7 +62,7 @@ class Tee:
             self._offset = 0  # not there yet: the wrapper creates it; read it from its start
         self._thread = threading.Thread(target=self._run, name="stallwatch-tee", daemon=True)
 
-    def start(self) -> "Tee":
+    def start(self) -> Tee:
         self._thread.start()
         return self
 
@@ -332,7 +333,7 @@ class Footer:
         self.draws = 0
         self.pace = Pace()
 
-    def start(self) -> "Footer":
+    def start(self) -> Footer:
         try:
             self._old_winch = signal.signal(signal.SIGWINCH, self._on_winch)
         except ValueError:  # not the main thread (tests): size is read at each draw instead

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 from pydantic import ValidationError
 
@@ -29,7 +30,9 @@ def evaluate_trace(path: Path, rules: Iterable[Path] | None = None) -> tuple[dic
         try:
             snap = Snapshot.model_validate(raw)
         except ValidationError as e:
-            raise UsageError(f"{path}: snapshot {i + 1} does not fit this stallwatch: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from e
+            first = e.errors()[0]
+            raise UsageError(f"{path}: snapshot {i + 1} does not fit this stallwatch: "
+                             f"{first['loc']}: {first['msg']}") from e
         t0 = snap.t_mono if t0 is None else t0
         res = ev.evaluate(features(snap), snap.t_mono)
         rows.append({
@@ -46,7 +49,7 @@ def evaluate_trace(path: Path, rules: Iterable[Path] | None = None) -> tuple[dic
 
 
 def replay_trace(path: Path, rules: Iterable[Path] | None = None) -> list[dict[str, Any]]:
-    header, rows, events = evaluate_trace(path, rules)
+    _header, rows, events = evaluate_trace(path, rules)
     return _changes(rows, events)
 
 

@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         exists = torch.tensor([writer.exists(i) for i in idxs] if writer else [False] * len(idxs))
         if tp > 1:
             dist.broadcast(exists, src=tp_root, group=tp_group)
-        todo = [i for i, e in zip(idxs, exists.tolist()) if not e]
+        todo = [i for i, e in zip(idxs, exists.tolist(), strict=True) if not e]
         skipped += len(idxs) - len(todo)
         if todo:
             time.sleep(args.batch_s)  # the forward pass of a real model

@@ -79,7 +79,7 @@ def _moved(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> bool:
 
     if [ident(d) for d in old] != [ident(d) for d in new]:
         return True
-    for a, b in zip(old, new):
+    for a, b in zip(old, new, strict=True):  # the same identities, checked above
         for k in ("active_at", "fired_at"):
             if (a.get(k) is None) != (b.get(k) is None):
                 return True

@@ -110,17 +110,17 @@ class DaemonConfig(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _listen(self) -> "DaemonConfig":
+    def _listen(self) -> DaemonConfig:
         v = self.metrics_listen
         if v is None:
             return self
         try:
             from stallwatch.daemon.metrics import check_listen
         except ImportError:  # without the metrics module: the shape only
-            host, sep, port = v.rpartition(":")
+            port = v.rpartition(":")[2]
             if not port.isdigit() or not 0 <= int(port) < 65536:
                 raise _Located(("metrics_listen",),
-                               f'expected "host:port" such as "127.0.0.1:9835", got "{v}"')
+                               f'expected "host:port" such as "127.0.0.1:9835", got "{v}"') from None
             return self
         try:
             check_listen(v, allow_remote=self.metrics_allow_remote)
@@ -250,7 +250,7 @@ class JobConfig(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _one_target(self) -> "JobConfig":
+    def _one_target(self) -> JobConfig:
         given = [k for k in ("command", "pid_file", "match") if getattr(self, k) is not None]
         if len(given) != 1:
             what = ", ".join(given) if given else "none of them"
@@ -286,7 +286,7 @@ class JobConfig(_Strict):
         """stallwatch can start it again: its own command, or an attached job's restart_command."""
         return self.command is not None or self.restart_command is not None
 
-    def as_restarted(self) -> "JobConfig":
+    def as_restarted(self) -> JobConfig:
         """An attached job once its restart_command has run: a supervised job of that command."""
         return self.model_copy(update={"command": self.restart_command, "pid_file": None,
                                        "match": None, "restart_command": None})
@@ -312,7 +312,7 @@ class Config(_Strict):
     alerts: tuple[Any, ...] = Field(default=(), exclude=True)  # parsed AlertConfig objects
 
     @model_validator(mode="after")
-    def _unique(self) -> "Config":
+    def _unique(self) -> Config:
         seen: set[str] = set()
         for i, j in enumerate(self.job):
             if j.name in seen:
@@ -372,7 +372,7 @@ def load_config(path: str | os.PathLike[str], *, check_permissions: bool = True)
     return cfg
 
 
-def _check_rule_permissions(cfg: "Config", display: str) -> None:
+def _check_rule_permissions(cfg: Config, display: str) -> None:
     """Rules decide when a root daemon kills and restarts a job: a rule file (or a rule
     directory, where anyone could add a file) that anyone may write is refused like the config."""
     paths = list(cfg.daemon.rules)
@@ -430,7 +430,7 @@ def parse_config(source: str, display: str = "<config>", *, base: Path | None = 
             for i, t in enumerate(alerts):
                 if not isinstance(t.get("type"), str):
                     raise UsageError(_at(source, display, ("alert", i),
-                                         f"alert[{i}].type: required (webhook, slack, desktop, command)"))
+                                         f"alert[{i}].type: required (webhook, slack, desktop, command)")) from None
         else:
             try:
                 alerts = parse_alerts([dict(t) for t in cfg.alert], display)

@@ -367,7 +367,7 @@ class Daemon:
         try:
             return self.toolkit.make_dispatcher(list(config.alerts), clock=self.clock,
                                                 state_dir=str(self.state_dir), host=self.host)
-        except Exception:  # noqa: BLE001 - alerts off is better than no watchdog
+        except Exception:  # alerts off is better than no watchdog
             log.exception("cannot build the alert dispatcher: alerts are only logged")
             return None
 
@@ -376,14 +376,14 @@ class Daemon:
         try:
             self.db.record_alert(event.incident_id, event.job, event.kind, event.state,
                                  event.summary, doc)
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("cannot record the alert event")
         log.log(logging.WARNING if event.state == "firing" else logging.INFO,
                 "alert %s: job %s: %s: %s", event.state, event.job, event.kind, event.summary)
         if self.dispatcher is not None:
             try:
                 self.dispatcher.submit(event)
-            except Exception:  # noqa: BLE001 - a sink's bug must not stop the watch
+            except Exception:  # a sink's bug must not stop the watch
                 log.exception("alert dispatcher refused the event")
 
     # ------------------------------------------------------------------------------- reload
@@ -438,7 +438,7 @@ class Daemon:
             if old is not None:
                 try:
                     old.close()
-                except Exception:  # noqa: BLE001
+                except Exception:
                     log.exception("closing the old alert dispatcher")
         self.db.set_meta("last_reload_at", str(self.clock.time()))
         self.db.set_meta("last_reload_error", None)
@@ -474,18 +474,18 @@ class Daemon:
         for r in list(self.jobs.values()):
             try:
                 r.close()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("job %s: close failed", r.name)
         if self._metrics is not None:
             try:
                 self._metrics.close()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("closing the metrics exporter")
             self._metrics = None
         if self.dispatcher is not None:
             try:
                 self.dispatcher.close()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("closing the alert dispatcher")
         if self.db is not None:
             if self._lock_fd is not None:  # only the daemon that owns the state says it stopped

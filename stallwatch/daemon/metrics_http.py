@@ -24,7 +24,8 @@ import logging
 import socket
 import threading
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 from urllib.parse import unquote
 
 log = logging.getLogger("stallwatch.daemon.metrics")
@@ -102,7 +103,7 @@ class MetricsServer:
             except (asyncio.LimitOverrunError, ValueError):
                 await self._answer(writer, "431 Request Header Fields Too Large", [], b"")
                 return
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.evicted += 1
                 return
             if writer not in self._pending:
@@ -110,7 +111,7 @@ class MetricsServer:
             del self._pending[writer]
             status, headers, body = self._call(head)
             await self._answer(writer, status, headers, body)
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError):
+        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
             self._pending.pop(writer, None)
@@ -137,7 +138,7 @@ class MetricsServer:
 
         try:
             body = b"".join(self.app(environ, start_response))
-        except Exception:  # noqa: BLE001 - a collector's bug is a 500, not a dead endpoint
+        except Exception:  # a collector's bug is a 500, not a dead endpoint
             log.exception("rendering the metrics failed")
             return "500 Internal Server Error", [], b""
         if method == "HEAD":

@@ -57,7 +57,7 @@ def run_in_thread(name: str, fn, *args, **kwargs) -> Future:
 
 
 class Recovery:
-    def __init__(self, runner: "JobRunner", incident_id: int, kind: str, *,
+    def __init__(self, runner: JobRunner, incident_id: int, kind: str, *,
                  targets: list[tuple[int, int]], pgid: int | None,
                  gpu_pids: set[int], candidates: list[str], failure_wall: float,
                  evidence: Future | None = None, resumed: bool = False) -> None:

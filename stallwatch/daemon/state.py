@@ -34,7 +34,8 @@ import stat
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from stallwatch.errors import UsageError
 
@@ -229,7 +230,7 @@ class _Conn:
 
 
 def _row(cur: sqlite3.Cursor, row: tuple) -> dict[str, Any]:
-    return {d[0]: v for d, v in zip(cur.description, row)}
+    return {d[0]: v for d, v in zip(cur.description, row, strict=True)}
 
 
 class StateDB:
@@ -245,7 +246,7 @@ class StateDB:
 
     @classmethod
     def open(cls, state_dir: str | os.PathLike[str], *, clock=time,
-             busy_timeout_s: float = 10.0) -> "StateDB":
+             busy_timeout_s: float = 10.0) -> StateDB:
         """Create the state dir (0700) and the database (0600) if needed; migrate; WAL.
 
         A database that is not one (garbage bytes, a failed integrity check) is set aside as
@@ -355,7 +356,7 @@ class StateDB:
             raise sqlite3.DatabaseError(f"integrity check failed: {row[0] if row else '?'}")
 
     @classmethod
-    def open_readonly(cls, state_dir: str | os.PathLike[str]) -> "StateDB":
+    def open_readonly(cls, state_dir: str | os.PathLike[str]) -> StateDB:
         """For `status`: never creates anything; works while the daemon writes (WAL)."""
         path = Path(state_dir) / DB_NAME
         if not path.exists():

@@ -12,7 +12,8 @@ by `stallwatch status`), the metrics and, for the width, the verdict's evidence.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 from stallwatch.engine.alerting import EvidenceItem, Verdict
 

@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             doc["signal_name"] = signal.Signals(-rc).name
         except ValueError:
             pass
-    for attempt in range(3):
+    for _ in range(3):
         try:
             write_status(status_file, doc)
             break

@@ -8,7 +8,8 @@ from __future__ import annotations
 import time
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.engine import Evaluation, Evaluator, RuleLoadError, RuleSet, load_rules

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from itertools import pairwise
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
+from collections.abc import Iterable, Sequence
 
 BARS = "▁▂▃▄▅▆▇█"
 NO_DATA = " "  # a bucket with no sample: not zero, which would read as "stopped"
@@ -150,7 +152,7 @@ def buckets(points: Sequence[tuple[float, float | None]], end_t: float, window_s
         i = min(width - 1, int((t - start) / window_s * width))
         sums[i] += v
         counts[i] += 1
-    gaps = sorted(b[0] - a[0] for a, b in zip(known, known[1:]))
+    gaps = sorted(b[0] - a[0] for a, b in pairwise(known))
     hold_s = 2 * gaps[(len(gaps) - 1) // 2] if gaps else 0.0  # the lower median
     out: list[float | None] = []
     j = -1  # the last known sample before the current bucket

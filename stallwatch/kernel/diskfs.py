@@ -72,7 +72,7 @@ def parse_diskstats(text: str) -> dict[str, DiskStat]:
             major, minor = int(parts[0]), int(parts[1])
         except ValueError:
             continue
-        fields = dict(zip(_DISKSTAT_FIELDS, nums))
+        fields = dict(zip(_DISKSTAT_FIELDS, nums, strict=False))  # older kernels: fewer, the rest None
         out[parts[2]] = DiskStat(major=major, minor=minor, name=parts[2], **fields)
     return out
 

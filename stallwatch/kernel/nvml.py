@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
 
 from stallwatch.clock import Clock, SYSTEM_CLOCK
 
@@ -24,9 +25,9 @@ _log = logging.getLogger(__name__)
 class _NA:
     """Value of a query that could not be answered; falsy, and prints like nvidia-smi does."""
 
-    _instance: "_NA | None" = None
+    _instance: _NA | None = None
 
-    def __new__(cls) -> "_NA":
+    def __new__(cls) -> _NA:
         if cls._instance is None:
             cls._instance = super().__new__(cls)
         return cls._instance
@@ -138,7 +139,7 @@ class Nvml:
     def _init_locked(self) -> str:
         if self._lib is None:
             try:
-                import pynvml  # noqa: PLC0415 - importing is itself part of "is NVML here?"
+                import pynvml  # importing is itself part of "is NVML here?"
             except ImportError as e:
                 return self._set(NO_LIBRARY, f"pynvml (nvidia-ml-py) is not installed: {e}")
             self._lib = pynvml

@@ -16,7 +16,7 @@ import os
 import platform
 import sys
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ class Roots:
     kmsg: Path = Path("/dev/kmsg")
 
     @classmethod
-    def under(cls, base: str | os.PathLike[str]) -> "Roots":
+    def under(cls, base: str | os.PathLike[str]) -> Roots:
         """A fixture tree laid out as base/proc, base/sys, base/dev/kmsg."""
         b = Path(base)
         return cls(proc=b / "proc", sys=b / "sys", kmsg=b / "dev" / "kmsg")

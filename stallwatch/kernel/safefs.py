@@ -24,7 +24,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from typing import Iterator
+from collections.abc import Iterator
 
 __all__ = ["UnsafePath", "open_dir", "open_file", "open_in", "subdir", "open_rel", "read_bounded",
            "fd_dir", "readable_by"]
@@ -72,7 +72,7 @@ def _walk(path: str, *, create: bool, mode: int) -> int:
                 nfd = os.open(name, _DIR, dir_fd=fd)
             except FileNotFoundError:
                 if not create or name == "..":
-                    raise FileNotFoundError(errno.ENOENT, f"{path}: {name!r} does not exist")
+                    raise FileNotFoundError(errno.ENOENT, f"{path}: {name!r} does not exist") from None
                 try:
                     os.mkdir(name, mode, dir_fd=fd)
                 except FileExistsError:
@@ -86,13 +86,13 @@ def _walk(path: str, *, create: bool, mode: int) -> int:
                 except OSError:
                     is_link = False
                 if not is_link:
-                    raise NotADirectoryError(errno.ENOTDIR, f"{path}: {name!r} is not a directory")
+                    raise NotADirectoryError(errno.ENOTDIR, f"{path}: {name!r} is not a directory") from e
                 if not _trusted_link(fd, name):
                     raise UnsafePath(path, f"{name!r} is a symlink in a directory another user "
-                                           "can write (or not root's): not followed")
+                                           "can write (or not root's): not followed") from e
                 links += 1
                 if links > MAX_LINKS:
-                    raise UnsafePath(path, "too many levels of symbolic links")
+                    raise UnsafePath(path, "too many levels of symbolic links") from e
                 target = os.readlink(name, dir_fd=fd)
                 todo.extend(reversed([c for c in target.split("/") if c not in ("", ".")]))
                 if target.startswith("/"):

@@ -81,7 +81,7 @@ class Collector:
     def tick(self) -> Snapshot:
         t0 = self.clock.monotonic()
         first = [(p.name, p.collect, self.deadline_s) for p in self.probes() if p is not self.disks]
-        results = dict(zip([c[0] for c in first], self.runner.call_many(first)))
+        results = dict(zip([c[0] for c in first], self.runner.call_many(first), strict=True))
         procs: ProcessesObs | None = results["processes"][0]
         # The filesystems that matter are those the job works in and writes to, known only now.
         self.disks.paths = _disk_paths(self._static_paths, procs)

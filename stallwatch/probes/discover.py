@@ -410,7 +410,7 @@ def _answers_model_info(url: str, timeout_s: float) -> bool:
         return False
     for route in ("/model_info", "/get_model_info"):
         try:
-            with urllib.request.urlopen(url + route, timeout=timeout_s) as resp:  # noqa: S310
+            with urllib.request.urlopen(url + route, timeout=timeout_s) as resp:
                 body = resp.read(64 << 10)
             if isinstance(json.loads(body), dict):
                 return True

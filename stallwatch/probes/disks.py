@@ -25,7 +25,7 @@ from stallwatch.kernel.diskfs import (
 )
 from stallwatch.model import Frozen
 from stallwatch.probes.base import ProbeStatus, Workers
-from stallwatch.kernel.roots import Absent, Denied, Roots
+from stallwatch.kernel.roots import DEFAULT_ROOTS, Absent, Denied, Roots
 
 SHM_PREFIXES = ("sgl_shm",)  # SGLang's leaked sgl_shm_mm_* segments filled /dev/shm (#40723)
 _SHM_LIST_LIMIT = 100_000  # a runaway leak must not turn one listing into a memory problem
@@ -107,7 +107,7 @@ class DisksProbe:
     def __init__(
         self,
         paths: list[str | os.PathLike[str]],
-        roots: Roots = Roots(),
+        roots: Roots = DEFAULT_ROOTS,
         clock: Clock = SYSTEM_CLOCK,
         statvfs_deadline_s: float = 2.0,
         *,

@@ -22,7 +22,7 @@ from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.kernel.kmsgparse import KernelEvent, KernelEventParser, KmsgRecord, parse_record
 from stallwatch.model import Frozen
 from stallwatch.probes.base import ProbeStatus
-from stallwatch.kernel.roots import Absent, Denied, Roots
+from stallwatch.kernel.roots import DEFAULT_ROOTS, Absent, Denied, Roots
 
 _READ_SIZE = 16384  # above the kernel's record limit (CONSOLE_EXT_LOG_MAX, 8 KiB): no EINVAL
 
@@ -146,7 +146,7 @@ class KernelLogProbe:
 
     def __init__(
         self,
-        roots: Roots = Roots(),
+        roots: Roots = DEFAULT_ROOTS,
         clock: Clock = SYSTEM_CLOCK,
         history: bool = False,
         ring_size: int = 256,

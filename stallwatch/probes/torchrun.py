@@ -21,7 +21,8 @@ import re
 from stallwatch.model import Frozen
 from stallwatch.kernel.roots import Absent, Denied, Roots
 
-__all__ = ["LAUNCHER_COMM", "RankInfo", "RootCause", "RootCauseTracker", "is_launcher", "parse_environ", "rank_info", "read_rank"]
+__all__ = ["LAUNCHER_COMM", "RankInfo", "RootCause", "RootCauseTracker", "is_launcher", "parse_environ", "rank_info",
+           "read_rank"]
 
 LAUNCHER_COMM = "pt_elastic"
 RANK_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE")

@@ -20,13 +20,18 @@ from stallwatch.errors import UsageError
 FORMAT_VERSION = 1
 
 
+def _open_for_writing(path: Path) -> IO[str]:
+    """The trace's file, kept open while it is recorded (TraceWriter.close() closes it)."""
+    if path.suffix == ".gz":  # compressed as it is written (JSON compresses about 10×)
+        return gzip.open(path, "wt", encoding="utf-8")
+    return open(path, "w", encoding="utf-8")
+
+
 class TraceWriter:
     def __init__(self, path: Path, meta: dict | None = None) -> None:
         self.path = Path(path)
         try:
-            # A .gz trace is compressed as it is written (JSON compresses about 10×).
-            self._f: IO[str] = (gzip.open(self.path, "wt", encoding="utf-8") if self.path.suffix == ".gz"
-                                else open(self.path, "w", encoding="utf-8"))
+            self._f = _open_for_writing(self.path)
         except OSError as e:
             raise UsageError(f"{path}: cannot write trace: {e.strerror}") from e
         header = {
@@ -54,7 +59,7 @@ class TraceWriter:
     def close(self) -> None:
         self._f.close()
 
-    def __enter__(self) -> "TraceWriter":
+    def __enter__(self) -> TraceWriter:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -91,7 +96,8 @@ def read_trace(path: Path) -> tuple[dict, list[dict], list[dict]]:
     if header is None:
         raise UsageError(f"{p}:1:1: not a stallwatch trace (no header line)")
     if header.get("format", 0) > FORMAT_VERSION:
-        raise UsageError(f"{p}:1:1: trace format {header['format']} is newer than this stallwatch reads ({FORMAT_VERSION})")
+        raise UsageError(f"{p}:1:1: trace format {header['format']} is newer than this stallwatch reads "
+                         f"({FORMAT_VERSION})")
     return header, snaps, events
 
 

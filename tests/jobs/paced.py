@@ -20,7 +20,7 @@ import argparse
 import logging
 import sys
 import time
-from datetime import datetime, timezone, UTC
+from datetime import datetime, UTC
 
 from pt_writer import deadlock  # two threads, two locks, the main thread joins: all asleep
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from pydantic import Field
+
 from stallwatch.model import Frozen
 from stallwatch.probes.text.progress import ProgressEvent
 
@@ -64,7 +66,7 @@ class BarObs(Frozen):
     done: float
     total: float | None = None
     samples: int | None = None
-    postfix: dict[str, int | float | str] = {}
+    postfix: dict[str, int | float | str] = Field(default_factory=dict)
     idle_s: float
     max_gap_s: float
     complete: bool

@@ -17,6 +17,8 @@ import math
 import re
 from typing import Literal
 
+from pydantic import Field
+
 from stallwatch.model import Frozen
 
 PostfixValue = int | float | str
@@ -29,7 +31,7 @@ class ProgressEvent(Frozen):
     elapsed_s: float | None = None
     remaining_s: float | None = None
     source: Literal["tqdm", "fraction", "regex"]
-    postfix: dict[str, PostfixValue] = {}
+    postfix: dict[str, PostfixValue] = Field(default_factory=dict)
     desc: str | None = None  # tqdm's description (the text before `: NN%|`)
     unit: str | None = None  # tqdm's unit ("it", "B", "samples")
 
@@ -205,7 +207,7 @@ def parse_fraction(line: str) -> ProgressEvent | None:
     best: tuple[int, int] | None = None
     for m in _FRACTION.finditer(line):
         done, total = int(_num(m["done"])), int(_num(m["total"]))
-        if 0 < total and done <= total and (best is None or total >= best[1]):
+        if total > 0 and done <= total and (best is None or total >= best[1]):
             best = (done, total)
     if best is None:
         return None

@@ -13,7 +13,7 @@ a loss of 0.1234) and costs ~50 µs a line; here a timestamp must sit in the lin
 from __future__ import annotations
 
 import re
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from typing import Literal
 
 from stallwatch.model import Frozen
@@ -74,7 +74,7 @@ def line_time(line: str) -> LineTime | None:
             d = datetime(int(y), int(mo), int(dd))  # strptime costs 5x more
         except ValueError:  # 2026-13-45: not a date
             return None
-        t = (d.replace(tzinfo=timezone.utc).timestamp() + int(m["h"]) * 3600 + int(m["m"]) * 60
+        t = (d.replace(tzinfo=UTC).timestamp() + int(m["h"]) * 3600 + int(m["m"]) * 60
              + int(m["s"]) + _frac(m["frac"]))
         if m["open"]:
             style: Style = "bracketed"
