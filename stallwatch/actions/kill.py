@@ -50,6 +50,7 @@ from typing import Literal
 from collections.abc import Callable, Iterable
 
 from stallwatch.kernel import procfs
+from stallwatch.kernel.proc import Proc, pids
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.model import Frozen
 from stallwatch.kernel.roots import DEFAULT_ROOTS, Absent, Denied, Roots
@@ -299,7 +300,7 @@ class KillOperation:
 
     def _stat(self, pid: int) -> procfs.Stat | Literal["denied"] | None:
         try:
-            return procfs.parse_stat(self.roots.read_text(self.roots.pid_dir(pid) / "stat"))
+            return Proc(pid, self.roots).stat()
         except Absent:
             return None
         except Denied:
@@ -307,13 +308,13 @@ class KillOperation:
 
     def _wchan(self, pid: int) -> str | None:
         try:
-            return procfs.parse_wchan(self.roots.read_text(self.roots.pid_dir(pid) / "wchan"))
+            return Proc(pid, self.roots).wchan()
         except (Absent, Denied):
             return None
 
     def _task_wchan(self, pid: int, tid: int) -> str | None:
         try:
-            return procfs.parse_wchan(self.roots.read_text(self.roots.pid_dir(pid, tid) / "wchan"))
+            return Proc(pid, self.roots).wchan(tid)
         except (Absent, Denied):
             return None
 
@@ -347,25 +348,8 @@ class KillOperation:
 
     def _live_thread(self, pid: int) -> tuple[str, int] | None:
         """(state, tid) of a thread of `pid` that is not a zombie, D first; None if none."""
-        try:
-            tids = self.roots.listdir(self.roots.pid_dir(pid) / "task")
-        except (Absent, Denied):
-            return None
-        best: tuple[str, int] | None = None
-        for name in tids:
-            if not name.isdigit():
-                continue
-            try:
-                st = procfs.parse_stat(self.roots.read_text(self.roots.pid_dir(pid, int(name)) / "stat"))
-            except (Absent, Denied, ValueError):
-                continue
-            if st.state in ("Z", "X"):
-                continue
-            if best is None or st.state == "D":
-                best = (st.state, int(name))
-            if st.state == "D":
-                break
-        return best
+        st = Proc(pid, self.roots).live_thread()
+        return None if st is None else (st.state, st.pid)
 
     def _observe(self) -> list[_Seen]:
         """Refresh every tracked identity, verify the group, adopt its new members.
@@ -405,14 +389,13 @@ class KillOperation:
     def _scan(self) -> dict[int, procfs.Stat]:
         out: dict[int, procfs.Stat] = {}
         try:
-            names = self.roots.listdir(self.roots.proc)
+            listed = pids(self.roots)
         except (Absent, Denied):
             return out
-        for name in names:
-            if name.isdigit():
-                st = self._stat(int(name))
-                if isinstance(st, procfs.Stat):
-                    out[int(name)] = st
+        for pid in listed:
+            st = self._stat(pid)
+            if isinstance(st, procfs.Stat):
+                out[pid] = st
         return out
 
     def _survivor(self, s: _Seen) -> Survivor:

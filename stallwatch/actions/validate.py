@@ -20,6 +20,7 @@ from typing import NamedTuple
 from collections.abc import Callable, Collection, Iterable
 
 from stallwatch.kernel import safefs
+from stallwatch.kernel.proc import self_fd_path
 from stallwatch.actions.filecheck import CRC_MAX_BYTES, FileCheck, validate_file
 from stallwatch.actions.quarantine import ASIDE_SUFFIX, QUARANTINE_FULL, move_at
 from stallwatch.clock import SYSTEM_CLOCK, Clock
@@ -277,7 +278,7 @@ def _check_one(out_fd: int, parts: tuple[str, ...], ident: tuple[int, int], path
             if (st.st_dev, st.st_ino) != ident:
                 errors.append(f"{path}: replaced during the validation: not checked")
                 return None
-            via = Path(f"/proc/self/fd/{fd}")
+            via = Path(self_fd_path(fd))
             try:
                 if check is not None:
                     ok, reason = check(via)

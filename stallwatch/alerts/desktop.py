@@ -38,6 +38,7 @@ from typing import Any
 from collections.abc import Callable
 
 from stallwatch.alerts.events import AlertEvent
+from stallwatch.kernel.proc import self_fd_path  # chmod of an O_PATH fd names it by its path
 
 from .base import (PermanentError, RetryableError, Sink, fmt_duration, fmt_progress,
                    incident_age, strongest_evidence, title)
@@ -259,7 +260,7 @@ class Spool:
             pfd = safefs.open_dir(parent, create=True)
             try:
                 if created:
-                    os.chmod(pfd_path(pfd), 0o711)  # the users may pass through, not list
+                    os.chmod(self_fd_path(pfd), 0o711)  # the users may pass through, not list
                 dfd = safefs.subdir(pfd, self.dir.name, create=True)
                 try:
                     st = os.fstat(dfd)
@@ -274,7 +275,7 @@ class Spool:
                         os.chown(self.dir.name, self._owner[1], self._owner[2],
                                  dir_fd=pfd, follow_symlinks=False)
                     if stat.S_IMODE(st.st_mode) != 0o700:
-                        os.chmod(pfd_path(dfd), 0o700)
+                        os.chmod(self_fd_path(dfd), 0o700)
                 finally:
                     os.close(dfd)
             finally:
@@ -340,11 +341,6 @@ class Spool:
             raise PermanentError(f"desktop spool {self.dir}: {e.strerror}{hint}") from None
         except OSError as e:
             raise RetryableError(f"desktop spool {self.dir}: {e.strerror or e}") from None
-
-
-def pfd_path(fd: int) -> str:
-    """A path that names exactly the directory an fd holds (chmod of an O_PATH fd)."""
-    return f"/proc/self/fd/{fd}"
 
 
 # ------------------------------------------------------------------------------- the sink

@@ -489,12 +489,14 @@ def watch(
 
 def _comm_name(pid: int) -> str:
     from stallwatch.commands.oneliner import job_name
+    from stallwatch.kernel.proc import Proc
+    from stallwatch.kernel.roots import Absent, Denied
 
     try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError as e:
+        argv = Proc(pid).argv()
+    except (Absent, Denied, OSError) as e:
         raise UsageError(f"--pid {pid}: no such process") from e
-    return job_name([a.decode("utf-8", "replace") for a in argv if a])
+    return job_name([a for a in argv if a])
 
 
 @app.command()

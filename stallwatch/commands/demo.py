@@ -45,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from stallwatch.errors import UsageError
+from stallwatch.kernel.proc import DEAD_STATES, Proc, pids
+from stallwatch.kernel.roots import Absent, Denied
 
 FAULTS = ("hang", "io_stall", "crash", "server_hang")
 JOB = "extract"
@@ -176,38 +178,22 @@ def read_progress(log_path: Path) -> tuple[int, int] | None:
     return int(done), int(total)
 
 
-def _threads_alive(pid: int) -> bool:
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return False
-    for tid in tids:
-        try:
-            text = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-        except OSError:
-            continue
-        if text[text.rfind(")") + 2] not in "ZX":
-            return True
-    return False
-
-
 def _pids_running(module: str, marker: str) -> list[int]:
     """Live (non-zombie) processes running `python -m module` whose argv names `marker`."""
     out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
+    for pid in pids():
+        p = Proc(pid)
         try:
-            argv = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
-            stat = Path(f"/proc/{name}/stat").read_text()
-        except OSError:
+            argv = p.argv_bytes()
+            state = p.stat().state
+        except (Absent, Denied, OSError, ValueError):
             continue
-        if stat[stat.rfind(")") + 2] in "ZX" and not _threads_alive(int(name)):
+        if state in DEAD_STATES and p.live_thread() is None:
             continue  # a zombie leader whose writer thread is still in D is not gone
         # argv[1:3] == -m module: the client itself, not its wrapper (which names it after --)
         if len(argv) > 2 and argv[1] == b"-m" and argv[2] == module.encode() \
                 and marker.encode() in b"\0".join(argv):
-            out.append(int(name))
+            out.append(pid)
     return sorted(out)
 
 

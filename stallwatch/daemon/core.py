@@ -36,6 +36,8 @@ from stallwatch.daemon.config import Config, JobConfig, load_config
 from stallwatch.daemon.job import JobRunner
 from stallwatch.daemon.toolkit import Toolkit
 from stallwatch.errors import UsageError
+from stallwatch.kernel.proc import boot_id
+from stallwatch.kernel.roots import Absent, Denied
 from stallwatch.daemon.sdnotify import Notifier
 from stallwatch.daemon.state import StateDB
 
@@ -48,8 +50,8 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 def _boot_id() -> str:
     try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
+        return boot_id()
+    except (Absent, Denied, OSError):
         return ""
 
 

@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stallwatch.kernel import safefs
+from stallwatch.kernel.proc import Proc
+from stallwatch.kernel.roots import Absent, Denied
 from stallwatch.daemon.config import JobConfig
 from stallwatch.daemon.alertmemory import AlertMemory
 from stallwatch.daemon.recovery import Recovery, candidates_from, run_in_thread
@@ -722,8 +724,8 @@ class JobRunner:
             uid = file_owner if file_owner else None
         if uid is not None:
             try:
-                puid = os.stat(f"/proc/{pid}").st_uid
-            except OSError:
+                puid = Proc(pid).owner_uid()
+            except (Absent, Denied, OSError):
                 return ""  # gone: nothing to adopt, the next read tries again
             if puid != uid:
                 return f"pid {pid} runs as uid {puid}, not the job's uid {uid}: not adopted"

@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from stallwatch.kernel import safefs
+from stallwatch.kernel.proc import DEAD_STATES, Proc, pids
+from stallwatch.kernel.roots import Absent, Denied
 from stallwatch.daemon.wrap import proc_comm, proc_state, start_ticks
 
 __all__ = ["Spawned", "SpawnError", "RunAs", "resolve_user", "job_environment", "spawn",
@@ -270,20 +272,18 @@ def status_authentic(doc: dict[str, Any], status_file: str | os.PathLike[str], *
 
 def _ppid(pid: int) -> int | None:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
-        return int(text[text.rfind(")") + 2:].split()[1])
-    except (OSError, ValueError, IndexError):
+        return Proc(pid).stat().ppid
+    except (Absent, Denied, OSError, ValueError):
         return None
 
 
 def _is_wrapper_of(pid: int, status_file: str | os.PathLike[str]) -> bool:
     try:
-        if os.stat(f"/proc/{pid}").st_uid != os.geteuid():
+        p = Proc(pid)
+        if p.owner_uid() != os.geteuid():
             return False
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read(1 << 16).split(b"\0")
-    except OSError:
+        argv = p.argv_bytes(1 << 16)
+    except (Absent, Denied, OSError):
         return False
     return b"stallwatch.daemon.wrap" in argv and os.fsencode(str(status_file)) in argv
 
@@ -296,24 +296,7 @@ def identity_alive(pid: int | None, ticks: int | None) -> bool:
     if st is None or st[1] != ticks:
         return False
     # A zombie leader whose other threads live on (one blocked in D) is not gone.
-    return st[0] not in ("Z", "X") or _threads_alive(pid)
-
-
-def _threads_alive(pid: int) -> bool:
-    """Does a thread of `pid` other than its exited leader still live?"""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return False
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                text = f.read()
-        except OSError:
-            continue
-        if text[text.rfind(")") + 2:][:1] not in ("Z", "X"):
-            return True
-    return False
+    return st[0] not in DEAD_STATES or Proc(pid).live_thread() is not None
 
 
 def identity_exists(pid: int | None, ticks: int | None) -> bool:
@@ -328,21 +311,23 @@ def find_wrapper(status_file: str | os.PathLike[str]) -> int | None:
     """A live wrapper process for this status file (its command line names the file, and it
     runs as the daemon does: a job's user can name any command line, not take our uid)."""
     needle = os.fsencode(str(status_file))
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
+    try:
+        candidates = pids()
+    except (Absent, Denied, OSError):
+        return None
+    for pid in candidates:
+        p = Proc(pid)
         try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
+            argv = p.argv_bytes()
+        except (Absent, Denied, OSError):
             continue
         if b"stallwatch.daemon.wrap" in argv and needle in argv:
             try:  # a command line is anyone's to choose; the wrapper runs as we do
-                if os.stat(f"/proc/{name}").st_uid != os.geteuid():
+                if p.owner_uid() != os.geteuid():
                     continue
-            except OSError:
+            except (Absent, Denied, OSError):
                 continue
-            st = proc_state(int(name))
-            if st and st[0] not in ("Z", "X"):
-                return int(name)
+            st = proc_state(pid)
+            if st and st[0] not in DEAD_STATES:
+                return pid
     return None

@@ -45,8 +45,8 @@ import subprocess
 import sys
 import time
 
-from stallwatch.kernel import procfs
-from stallwatch.kernel.roots import DEFAULT_ROOTS, Absent, Denied
+from stallwatch.kernel.proc import Proc
+from stallwatch.kernel.roots import Absent, Denied
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2, signal.SIGCONT)
@@ -56,7 +56,7 @@ VERSION = 1
 def proc_state(pid: int) -> tuple[str, int] | None:
     """(state letter, start_ticks) of a pid, None when there is no such process."""
     try:
-        st = procfs.parse_stat(DEFAULT_ROOTS.read_text(DEFAULT_ROOTS.pid_dir(pid) / "stat"))
+        st = Proc(pid).stat()
     except (Absent, Denied, ValueError):
         return None
     return st.state, st.start_ticks
@@ -65,7 +65,7 @@ def proc_state(pid: int) -> tuple[str, int] | None:
 def proc_comm(pid: int, ticks: int) -> str | None:
     """The name (comm) of (pid, start_ticks), a zombie's too; None when that process is gone."""
     try:
-        st = procfs.parse_stat(DEFAULT_ROOTS.read_text(DEFAULT_ROOTS.pid_dir(pid) / "stat"))
+        st = Proc(pid).stat()
     except (Absent, Denied, ValueError):
         return None
     return st.comm if st.start_ticks == ticks else None

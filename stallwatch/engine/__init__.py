@@ -1,7 +1,9 @@
-"""The generic rules engine: CEL conditions, rule files, alert state, timeline tests.
+"""The rules stage: a snapshot's variables, CEL conditions, rule files, alert state, timeline tests.
 
-It knows nothing about probes: it evaluates rules over whatever nested dict of variables the
-caller builds (stallwatch.engine.features does that). The CLI needs only the two functions below.
+The rules machinery (alerting, expr, rulefile, template, ruletest) knows nothing about probes: it
+evaluates rules over whatever nested dict of variables it is given. `features.py` builds that dict
+from a probes Snapshot; `diagnose.py` and `history.py` use both. The CLI needs only the two
+functions below.
 """
 
 from __future__ import annotations

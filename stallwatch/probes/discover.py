@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stallwatch.kernel import proc as kproc
 from stallwatch.kernel import procfs
 
 from stallwatch.probes import torchrun
@@ -94,16 +95,18 @@ class _Host:
         self.procs: dict[int, Proc] = {}
         self.children: dict[int, list[int]] = {}
         self.self_pids = {os.getpid()}
-        for name in self._listdir(roots.proc):
-            if not name.isdigit():
-                continue
-            pid = int(name)
+        try:
+            listed = kproc.pids(roots)
+        except (Absent, Denied):
+            listed = []
+        for pid in listed:
+            kp = kproc.Proc(pid, roots)
             try:
-                st = procfs.parse_stat(roots.read_text(roots.pid_dir(pid) / "stat"))
+                st = kp.stat()
             except (Absent, Denied, ValueError):
                 continue
             try:
-                argv = procfs.parse_cmdline(roots.read_bytes(roots.pid_dir(pid) / "cmdline"))
+                argv = kp.argv()
             except (Absent, Denied):
                 argv = ()
             self.procs[pid] = Proc(pid, st.ppid, st.comm, st.state, st.start_ticks, argv)
@@ -117,18 +120,11 @@ class _Host:
         self.tcp: tuple[procfs.TcpSocket, ...] = ()
         self.read_tcp()
 
-    def _listdir(self, path: Path) -> list[str]:
-        try:
-            return self.roots.listdir(path)
-        except (Absent, Denied):
-            return []
-
     def read_tcp(self) -> None:
         socks: list[procfs.TcpSocket] = []
         for table in ("tcp", "tcp6"):
             try:
-                socks += procfs.parse_net_tcp(self.roots.read_text(self.roots.proc / "net" / table,
-                                                                   limit=64 << 20))
+                socks += procfs.parse_net_tcp(kproc.net_tcp(table, self.roots))
             except (Absent, Denied, ValueError):
                 continue
         self.tcp = tuple(socks)
@@ -139,25 +135,29 @@ class _Host:
             return {}
         if p.fds is None or refresh:
             out: dict[int, str] = {}
-            fd_dir = self.roots.pid_dir(pid) / "fd"
-            for fd in self._listdir(fd_dir):
+            kp = kproc.Proc(pid, self.roots)
+            try:
+                fds = kp.fds()
+            except (Absent, Denied):
+                fds = []
+            for fd in fds:
                 try:
-                    out[int(fd)] = self.roots.readlink(fd_dir / fd)
-                except (Absent, Denied, ValueError):
+                    out[fd] = kp.fd_target(fd)
+                except (Absent, Denied):
                     continue
             p.fds = out
         return p.fds
 
     def fd_flags(self, pid: int, fd: int) -> int | None:
         try:
-            _pos, flags = procfs.parse_fdinfo(self.roots.read_text(self.roots.pid_dir(pid) / "fdinfo" / str(fd)))
+            _pos, flags = kproc.Proc(pid, self.roots).fdinfo(fd)
         except (Absent, Denied, ValueError):
             return None
         return flags
 
     def cwd(self, pid: int) -> str | None:
         try:
-            return self.roots.readlink(self.roots.pid_dir(pid) / "cwd")
+            return kproc.Proc(pid, self.roots).cwd()
         except (Absent, Denied):
             return None
 
@@ -397,7 +397,7 @@ def _same_owner(host: _Host, a: int, b: int) -> bool:
     uids = []
     for pid in (a, b):
         try:
-            uids.append(procfs.parse_status(host.roots.read_text(host.roots.pid_dir(pid) / "status")).uid)
+            uids.append(kproc.Proc(pid, host.roots).status().uid)
         except (Absent, Denied, ValueError, KeyError):
             return False
     return uids[0] == uids[1]

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from collections.abc import Callable
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
+from stallwatch.kernel import proc as kproc
 from stallwatch.kernel.diskfs import (
     SECTOR_BYTES, BlockDeviceRef, DiskStat, MountInfo, device_for_mount, mount_for_path,
     parse_diskstats, parse_mountinfo, path_in_filesystem,
@@ -175,7 +176,7 @@ class DisksProbe:
         the last read."""
         if self._mi_poll is None and self._mi_fd is None:
             try:
-                on_procfs = os.stat(self.roots.proc).st_ino == 1  # PROC_ROOT_INO
+                on_procfs = kproc.is_procfs(self.roots)
                 if on_procfs:
                     self._mi_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
                     self._mi_poll = select.poll()
@@ -202,8 +203,7 @@ class DisksProbe:
         self._mi_poll, self._mi_fd, self._mi_fresh = None, -1, False
 
     def _mountinfo(self, errors: list[str]) -> tuple[list[MountInfo], ProbeStatus]:
-        who = str(self.mountinfo_pid) if self.mountinfo_pid else "self"
-        path = self.roots.proc / who / "mountinfo"
+        path = kproc.mountinfo_path(self.roots, self.mountinfo_pid or None)
         if not self._mountinfo_changed(path):
             return self._mi_parsed, ProbeStatus.ok
         self._mi_fresh = False
@@ -223,7 +223,7 @@ class DisksProbe:
 
     def _diskstats(self, errors: list[str]) -> tuple[dict[str, DiskStat], ProbeStatus]:
         try:
-            text = self.roots.read_text(self.roots.proc / "diskstats", 16 << 20)
+            text = kproc.diskstats(self.roots)
             return parse_diskstats(text), ProbeStatus.ok
         except Absent as e:
             errors.append(f"diskstats absent: {e}")

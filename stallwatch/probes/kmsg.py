@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import Field
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
+from stallwatch.kernel.proc import btime
 from stallwatch.kernel.kmsgparse import KernelEvent, KernelEventParser, KmsgRecord, parse_record
 from stallwatch.model import Frozen
 from stallwatch.probes.base import ProbeStatus
@@ -204,9 +205,7 @@ class KernelLogProbe:
         """Wall time at boot, to date kernel timestamps: /proc/stat btime (whole seconds), else
         the clock (on Linux, monotonic time is time since boot, as the kernel's usec are)."""
         try:
-            for line in self.roots.read_text(self.roots.proc / "stat").splitlines():
-                if line.startswith("btime "):
-                    return float(line.split()[1])
-        except (Absent, Denied, ValueError, IndexError):
+            return float(btime(self.roots))
+        except (Absent, Denied, OSError, ValueError):
             pass
         return self.clock.time() - self.clock.monotonic()

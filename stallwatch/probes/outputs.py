@@ -47,6 +47,7 @@ from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.model import Frozen
 from stallwatch.probes.base import ProbeStatus
 from stallwatch.probes.inotify import InotifyWatch
+from stallwatch.kernel.proc import self_mountinfo
 from stallwatch.kernel.roots import DEFAULT_ROOTS, Roots
 
 RECONCILE_SLICE_ENTRIES = 400  # ~1.5 ms a tick here (10^6-file bench, docs/performance.md)
@@ -101,7 +102,7 @@ def _unescape(s: str) -> str:
 def fs_type(path: str | os.PathLike[str], roots: Roots = DEFAULT_ROOTS) -> str | None:
     """The type of the mount holding `path`, from mountinfo (the longest matching mount point)."""
     try:
-        text = roots.read_text(roots.proc / "self" / "mountinfo", limit=16 << 20)
+        text = self_mountinfo(roots)
     except Exception:  # noqa: BLE001 - unknown type just means "use inotify"
         return None
     real = os.path.realpath(path)

@@ -9,6 +9,7 @@ That scan touches every fd on the host, so it runs once and again only when the 
 from __future__ import annotations
 
 from stallwatch.kernel import procfs
+from stallwatch.kernel.proc import Proc, net_tcp, pids
 from stallwatch.kernel.roots import Absent, Denied, Roots
 
 LISTEN = "LISTEN"
@@ -18,22 +19,20 @@ def listener_pid(port: int, roots: Roots) -> int | None:
     inodes: set[int] = set()
     for table in ("tcp", "tcp6"):
         try:
-            text = roots.read_text(roots.proc / "net" / table, limit=64 << 20)
+            text = net_tcp(table, roots)
         except (Absent, Denied):
             continue
         inodes |= {s.inode for s in procfs.parse_net_tcp(text) if s.state == LISTEN and s.local_port == port}
     if not inodes:
         return None
     owners = []
-    for name in roots.listdir(roots.proc):
-        if not name.isdigit():
-            continue
-        fd_dir = roots.proc / name / "fd"
+    for pid in pids(roots):
+        p = Proc(pid, roots)
         try:
-            for fd in roots.listdir(fd_dir):
+            for fd in p.fds():
                 try:
-                    if procfs.socket_inode(roots.readlink(fd_dir / fd)) in inodes:
-                        owners.append(int(name))
+                    if procfs.socket_inode(p.fd_target(fd)) in inodes:
+                        owners.append(pid)
                         break
                 except (Absent, Denied):
                     continue

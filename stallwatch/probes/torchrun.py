@@ -19,6 +19,7 @@ import os
 import re
 
 from stallwatch.model import Frozen
+from stallwatch.kernel.proc import Proc
 from stallwatch.kernel.roots import Absent, Denied, Roots
 
 __all__ = ["LAUNCHER_COMM", "RankInfo", "RootCause", "RootCauseTracker", "is_launcher", "parse_environ", "rank_info",
@@ -78,7 +79,7 @@ def read_rank(roots: Roots, pid: int) -> RankInfo | None:
     """The worker's rank from /proc/PID/environ (the caller checked the owner); None when absent,
     denied or not a rank."""
     try:
-        data = roots.read_bytes(roots.pid_dir(pid) / "environ", limit=ENVIRON_MAX_BYTES)
+        data = Proc(pid, roots).environ_bytes(ENVIRON_MAX_BYTES)
     except (Absent, Denied):
         return None
     return rank_info(parse_environ(data))
