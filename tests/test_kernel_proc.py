@@ -1,4 +1,4 @@
-"""kernel/proc.py, the typed reads of /proc: on the real captures of tests/fixtures/proc (made by
+"""kernel/proc.py, the typed reads of /proc: on the real captures of tests/fixtures/host1 (made by
 tests/test_procfs.py's rig: a server, its zombie child, a writer in D) and on live processes."""
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from stallwatch.kernel import proc
 from stallwatch.kernel.proc import Proc
 from stallwatch.kernel.roots import DEFAULT_ROOTS, Absent, Roots
 
-FIXTURES = Path(__file__).parent / "fixtures"
-CAPTURED = Roots.under(FIXTURES)
+CAPTURED = Roots.under(Path(__file__).parent / "fixtures" / "host1")
 
 
 def test_captured_process_reads_typed():

@@ -38,15 +38,6 @@ RANK = {name: i for i, name in enumerate(STAGES)} | {"alerts": STAGES.index("act
 SGLANG_SHARED = {"stallwatch.sglang.titles", "stallwatch.sglang.serverlog"}
 KERNEL_PREFIXES = ("/proc", "/sys", "/dev/kmsg")
 
-# Paths still built outside kernel/, each with its owner and why it waits. Shrinks to empty.
-WAITING: dict[str, str] = {
-    # helper `wide` is splitting probes/processes.py (issue 21's seams); its per-thread hot path
-    # keeps descriptors by path string (kernel/procfiles.py) and moves onto kernel/proc.py after
-    # that split lands.
-    "stallwatch/probes/processes.py": "split in progress (helper wide)",
-}
-
-
 def _modules() -> dict[str, Path]:
     out = {}
     for path in sorted(PKG.rglob("*.py")):
@@ -119,20 +110,12 @@ def test_no_kernel_path_outside_kernel():
     bad = []
     for name, path in MODULES.items():
         rel = _rel(path)
-        if name.startswith(("stallwatch.kernel", "stallwatch.sglang")) or rel in WAITING:
+        if name.startswith(("stallwatch.kernel", "stallwatch.sglang")):
             continue
         for line, what in kernel_path_uses(ast.parse(path.read_text(), rel)):
             bad.append(f"{rel}:{line}: {what}")
     assert not bad, ("kernel paths built outside stallwatch/kernel/ (use kernel/proc.py's "
                      "helpers):\n" + "\n".join(bad))
-
-
-def test_waiting_list_is_still_needed():
-    """An entry whose file no longer builds a kernel path is removed, so the list only shrinks."""
-    for rel, why in WAITING.items():
-        path = PKG.parent / rel
-        if path.exists():
-            assert kernel_path_uses(ast.parse(path.read_text())), f"{rel} is clean now: drop it ({why})"
 
 
 # ------------------------------------------------------------------------- import graph
