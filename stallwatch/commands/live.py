@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from stallwatch.kernel import safefs
 from stallwatch.engine.features import human_bytes, human_s
@@ -66,30 +66,31 @@ class Tee:
         self._thread.start()
         return self
 
-    def _open(self) -> bool:
+    def _open(self) -> int | None:
         # On the job user's side of the trust boundary (docs/security.md): no link followed on
         # the way, a regular file only (a FIFO or a device under the log's name is never read).
         try:
             fd = safefs.open_file(self.path)
         except OSError:
-            return False
+            return None
         if self.reader is not None and not safefs.readable_by(
                 os.fstat(fd), self.reader.uid, frozenset((self.reader.gid, *self.reader.groups))):
             os.close(fd)
-            return False
+            return None
         self._fd = fd
-        return True
+        return fd
 
     def pump(self) -> int:
         """Pass on what is new now; returns the number of bytes passed."""
-        if self._fd is None and not self._open():
+        fd = self._fd if self._fd is not None else self._open()
+        if fd is None:
             return 0
         n = 0
-        size = os.fstat(self._fd).st_size
+        size = os.fstat(fd).st_size
         if size < self._offset:  # truncated (copytruncate rotation): from the start again
             self._offset = 0
         while n < (4 << 20):  # a bound per call: the stop flag is looked at between calls
-            chunk = os.pread(self._fd, 1 << 16, self._offset)
+            chunk = os.pread(fd, 1 << 16, self._offset)
             if not chunk:
                 break
             self._offset += len(chunk)
@@ -249,7 +250,7 @@ def plain_line(view: dict[str, Any]) -> str:
     return line
 
 
-def footer_text(views: list[dict[str, Any]], width: int, notes: list[str] = (),
+def footer_text(views: list[dict[str, Any]], width: int, notes: Sequence[str] = (),
                 color: bool = True) -> list[str]:
     """The footer's rows, rendered (ANSI) to `width` columns, one string per row."""
     from rich.console import Console

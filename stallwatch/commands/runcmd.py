@@ -97,7 +97,7 @@ def with_invoker_env(cfg: Config, environ: dict[str, str] | None = None) -> Conf
     environment holds its secrets); so does a one-liner with --user, which starts the job as
     someone else: the invoker's environment is theirs, not the job user's."""
     env = dict(os.environ if environ is None else environ)
-    secrets = {getattr(a, "url_env", None) for a in cfg.alerts} - {None}
+    secrets = {name for a in cfg.alerts if (name := getattr(a, "url_env", None)) is not None}
     for k in (*_NEVER_PASSED, *secrets):
         env.pop(k, None)
     jobs = tuple(j if (not j.restartable or j.user is not None)

@@ -51,6 +51,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from typing import IO, cast
 
 import torch
 import torch.distributed as dist
@@ -157,7 +158,7 @@ class Writer:
             self._write_half_then_deadlock(record, path)
         if self.args.compress:
             with gzip.open(path, "wb", compresslevel=self.args.compression_level) as f:
-                torch.save(record, f)
+                torch.save(record, cast(IO[bytes], f))  # a binary file; typeshed's GzipFile is no IO
         else:
             torch.save(record, path)
 

@@ -229,6 +229,12 @@ class _Conn:
         self.file.close()
 
 
+def _inserted_id(cur: sqlite3.Cursor) -> int:
+    if cur.lastrowid is None:  # sqlite3 sets it after every INSERT
+        raise RuntimeError("sqlite3 reported no row id for an INSERT")
+    return cur.lastrowid
+
+
 def _row(cur: sqlite3.Cursor, row: tuple) -> dict[str, Any]:
     return {d[0]: v for d, v in zip(cur.description, row, strict=True)}
 
@@ -386,7 +392,7 @@ class StateDB:
     # --------------------------------------------------------------------------- transactions
 
     @contextmanager
-    def tx(self) -> Iterator[sqlite3.Connection]:
+    def tx(self) -> Iterator[_Conn]:
         """One transaction; nested uses join the outer one."""
         if self._depth:
             self._depth += 1
@@ -420,6 +426,13 @@ class StateDB:
     def _q(self, sql: str, args: tuple = ()) -> list[dict[str, Any]]:
         cur = self.conn.execute(sql, args)
         return [_row(cur, r) for r in cur.fetchall()]
+
+    def _the_one(self, sql: str, args: tuple = ()) -> dict[str, Any]:
+        """The row a query must find (an aggregate, a row this transaction just wrote)."""
+        row = self._one(sql, args)
+        if row is None:
+            raise LookupError(f"no row for {sql!r} {args!r}")
+        return row
 
     def _one(self, sql: str, args: tuple = ()) -> dict[str, Any] | None:
         rows = self._q(sql, args)
@@ -476,7 +489,7 @@ class StateDB:
         with self.tx():
             self.conn.execute("UPDATE jobs SET starts = starts + 1, updated_at = ? WHERE name = ?",
                               (self.now(), name))
-            return self._one("SELECT starts FROM jobs WHERE name = ?", (name,))["starts"]
+            return self._the_one("SELECT starts FROM jobs WHERE name = ?", (name,))["starts"]
 
     # ------------------------------------------------------------------------------------ runs
 
@@ -487,7 +500,7 @@ class StateDB:
             cur = self.conn.execute(
                 f"INSERT INTO runs({', '.join(cols)}) VALUES({', '.join('?' * len(cols))})",
                 (job, seq, how, *fields.values()))
-            return int(cur.lastrowid)
+            return _inserted_id(cur)
 
     def update_run(self, run_id: int, **fields: Any) -> None:
         cols = ", ".join(f"{k} = ?" for k in fields)
@@ -509,14 +522,14 @@ class StateDB:
                       started_at: float | None = None) -> tuple[int, int]:
         """(incident id, episode): episode counts this job's earlier incidents of this kind."""
         with self.tx():
-            ep = self._one("SELECT COUNT(*) AS n FROM incidents WHERE job = ? AND kind = ?",
-                           (job, kind))["n"]
+            ep = self._the_one("SELECT COUNT(*) AS n FROM incidents WHERE job = ? AND kind = ?",
+                               (job, kind))["n"]
             cur = self.conn.execute(
                 "INSERT INTO incidents(job, kind, episode, started_at, summary, verdict_json) "
                 "VALUES(?, ?, ?, ?, ?, ?)",
                 (job, kind, ep, started_at if started_at is not None else self.now(), summary,
                  json.dumps(verdict, default=str)))
-            return int(cur.lastrowid), ep
+            return _inserted_id(cur), ep
 
     def update_incident(self, incident_id: int, **fields: Any) -> None:
         if "verdict_json" in fields and not isinstance(fields["verdict_json"], str):
@@ -554,7 +567,7 @@ class StateDB:
                 "INSERT INTO actions(incident_id, job, what, attempt, at, outcome, detail, done_at) "
                 "VALUES(?, ?, ?, ?, ?, ?, ?, ?)",
                 (incident_id, job, what, attempt, now, outcome, detail, now if done else None))
-            return int(cur.lastrowid)
+            return _inserted_id(cur)
 
     def complete_action(self, action_id: int, outcome: str, detail: str | None = None) -> None:
         with self.tx():
@@ -588,7 +601,7 @@ class StateDB:
                 "VALUES(?, ?, ?, ?, ?, ?, ?)",
                 (incident_id, job, kind, state, self.now(), summary,
                  json.dumps(event, default=str)))
-            return int(cur.lastrowid)
+            return _inserted_id(cur)
 
     def alert_events(self, job: str | None = None) -> list[dict[str, Any]]:
         if job is None:

@@ -51,7 +51,7 @@ def status_doc(db: StateDB, state_dir: Path, job_names: list[str] | None = None,
     rows = {r["name"]: r for r in db.jobs()}
     names = list(job_names) if job_names is not None else list(rows)
     names += [n for n in rows if n not in names]
-    jobs = []
+    jobs: list[dict[str, Any]] = []
     for name in names:
         row = rows.get(name)
         if row is None:

@@ -262,7 +262,7 @@ def status_authentic(doc: dict[str, Any], status_file: str | os.PathLike[str], *
         return (f"names wrapper pid {wpid} (start {wticks}), not the wrapper started "
                 f"(pid {wrapper[0]}, start {wrapper[1]})")
     wrapper_alive = identity_exists(wpid, wticks)
-    if wrapper[0] is None and wrapper_alive and not _is_wrapper_of(wpid, status_file):
+    if wrapper[0] is None and wrapper_alive and wpid is not None and not _is_wrapper_of(wpid, status_file):
         return f"wrapper pid {wpid} is not a wrapper of ours for this status file"
     if pid is not None and wrapper_alive and identity_exists(pid, doc.get("start_ticks")) \
             and _ppid(pid) != wpid:

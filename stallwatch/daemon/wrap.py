@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         proc, failed = _start(cmd, opts)
     except OSError as e:
         proc, failed = None, f"cannot start: {e}"
-    if failed:
+    if failed or proc is None:
         code = proc.wait() if proc is not None else 126
         if not failed.startswith("cannot start"):
             failed = f"cannot start: {failed}"

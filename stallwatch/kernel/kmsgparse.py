@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
+from typing import Any
 
 from stallwatch.model import Frozen
 
@@ -119,13 +120,13 @@ def parse_event(rec: KmsgRecord, boot_wall_time: float | None = None) -> KernelE
     with the `Killed process` line that follows it, so one kill is counted once.
     """
     msg = rec.message
-    base = dict(seq=rec.seq, kernel_usec=rec.usec, level=rec.level, message=msg,
+    base: dict[str, Any] = dict(seq=rec.seq, kernel_usec=rec.usec, level=rec.level, message=msg,
                 wall_time=boot_wall_time + rec.usec / 1e6 if boot_wall_time is not None else None)
     if rec.facility != 0:
         return None  # userspace can write anything to /dev/kmsg; only the kernel's lines count
     if m := _KILLED.search(msg):
         rest = m.group("rest")
-        kb = {f: int(x.group(1)) for f, rx in _KB.items() if (x := rx.search(rest))}
+        kb: dict[str, Any] = {f: int(x.group(1)) for f, rx in _KB.items() if (x := rx.search(rest))}
         adj = _SCORE_ADJ.search(rest)
         memcg = (m.group("scope") or "").startswith("Memory cgroup")
         return KernelEvent(kind=EventKind.oom_kill, pid=int(m.group("pid")), comm=m.group("comm"),

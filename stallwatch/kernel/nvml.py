@@ -175,7 +175,8 @@ class Nvml:
         nvml_error = getattr(lib, "NVMLError", None) if lib is not None else None
         if nvml_error is not None and isinstance(e, nvml_error):
             code = getattr(e, "value", None)
-            return self._reason_by_code.get(code, f"nvml_error_{code}")
+            return (self._reason_by_code.get(code, f"nvml_error_{code}") if isinstance(code, int)
+                    else f"nvml_error_{code}")
         # pynvml's unversioned wrappers turn FunctionNotFound into this (driver older than pynvml).
         if type(e).__name__ == "NVMLLibraryMismatchError":
             return "function_not_found"

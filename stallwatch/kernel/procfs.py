@@ -325,7 +325,7 @@ def socket_inode(link: str) -> int | None:
 def socket_inodes(links: Mapping[int, str] | Iterable[tuple[int, str]]) -> dict[int, int]:
     """inode -> fd for every socket among fd readlinks (fd -> link target)."""
     items = links.items() if isinstance(links, Mapping) else links
-    out = {}
+    out: dict[int, int] = {}
     for fd, link in items:
         inode = socket_inode(link)
         if inode is not None:

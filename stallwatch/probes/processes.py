@@ -47,10 +47,13 @@ T = TypeVar("T")
 
 
 class TargetSpec(Protocol):
-    """What the probe needs of stallwatch.probes.targets.Target."""
+    """What the probe needs of stallwatch.probes.targets.Target (read only: a frozen model fits)."""
 
-    pids: Sequence[int]
-    match: str | None
+    @property
+    def pids(self) -> Sequence[int]: ...
+
+    @property
+    def match(self) -> str | None: ...
 
 
 # ---------------------------------------------------------------------------------------- probe

@@ -16,6 +16,7 @@ config `user`/`group`) could read it himself (docs/security.md).
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.model import Frozen
@@ -98,7 +99,7 @@ class ServerLogProbe:
             return ServerLogObs(error="no server log configured or found in the server's stdout/stderr")
         res = self._follower.poll()
         now = self.clock.monotonic()
-        base = dict(path=self._follower.path, discovered=self._discovered, how=self._how,
+        base: dict[str, Any] = dict(path=self._follower.path, discovered=self._discovered, how=self._how,
                     status=res.status, error=res.error)
         if res.status == ProbeStatus.ok:
             for line in res.lines[-_MAX_SCAN_LINES:]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from stallwatch.kernel import procfs
 from stallwatch.kernel.proc import Proc, net_tcp, pids
 from stallwatch.kernel.roots import Absent, Denied, Roots
+from stallwatch.probes.processes import ProcessesProbe
+from stallwatch.probes.targets import Target
 
 LISTEN = "LISTEN"
 
@@ -51,7 +53,7 @@ class ServerProcessesProbe:
         self.port = port
         self.roots = roots
         self.clock = clock
-        self._probe = None
+        self._probe: ProcessesProbe | None = None
         self._pid: int | None = None
 
     @property
@@ -60,9 +62,6 @@ class ServerProcessesProbe:
         return self._pid
 
     def collect(self):
-        from stallwatch.probes.processes import ProcessesProbe
-        from stallwatch.probes.targets import Target
-
         if self._probe is not None:
             obs = self._probe.collect()
             if obs.targets:

@@ -168,8 +168,9 @@ class MultiBars:
         advance; the rate of the bars still open (a finished bar adds nothing any more)."""
         done = sum(b.done for b in self._bars.values())
         totals = [b.total for b in self._bars.values()]
+        known = [t for t in totals if t is not None]
         rates = [b.rate_per_s for b in self._bars.values() if b.rate_per_s and not b.closed]
-        return (done, (sum(totals) if totals and all(t is not None for t in totals) else None),
+        return (done, (sum(known) if totals and len(known) == len(totals) else None),
                 sum(rates) if rates else None)
 
     def observe(self, now: float) -> BarSet:
