@@ -3,8 +3,9 @@
 prometheus/procfs's shape: `Proc(pid)` is one process, with a method per file it reads
 (`stat()`, `status()`, `argv()`, `tids()`, ...), and the module functions read the host-wide files
 (`pids()`, `btime()`, `boot_id()`, `net_tcp()`). Each goes through a `Roots` (the real /proc by
-default, a fixture tree in tests) and hands the text to the pure parsers of `procfs.py`; nothing
-else in stallwatch builds a /proc or /sys path (tests/test_layout.py checks).
+default, a fixture tree in tests) and hands the text to the pure parsers of `procfs.py`. The paths
+come from `procfiles.ProcPaths`, the one owner of the layout, which the processes probe's hot path
+uses directly; nothing outside kernel/ builds a /proc or /sys path (tests/test_layout.py checks).
 
 Errors are the Roots' own: `Absent` (gone), `Denied` (ptrace or mode checks), an `OSError`
 otherwise; a malformed file raises ValueError (procfs). Callers that want "None when gone" say so
@@ -20,13 +21,13 @@ where they call. The per-thread hot path of the processes probe keeps its own de
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from stallwatch.kernel import procfs
+from stallwatch.kernel.procfiles import ProcPaths
 from stallwatch.kernel.roots import DEFAULT_ROOTS, Absent, Denied, Roots, _mapped
 
 __all__ = ["Proc", "pids", "btime", "boot_id", "net_tcp", "diskstats", "kernel_stat",
-           "self_mountinfo", "mountinfo_path", "self_fd_path", "is_procfs", "DEAD_STATES"]
+           "self_mountinfo", "mountinfo_path", "self_fd_path", "DEAD_STATES"]
 
 # A task in these states has exited: Z (zombie, waiting to be reaped), X (dead).
 DEAD_STATES = ("Z", "X")
@@ -35,56 +36,55 @@ DEAD_STATES = ("Z", "X")
 class Proc:
     """One process (or, with `tid`, one of its threads' files) under a Roots."""
 
-    __slots__ = ("pid", "roots", "_dir")
+    __slots__ = ("pid", "roots", "_paths")
 
     def __init__(self, pid: int, roots: Roots = DEFAULT_ROOTS) -> None:
         self.pid, self.roots = int(pid), roots
-        self._dir = roots.proc / str(self.pid)
+        self._paths = ProcPaths(roots)
 
     def __repr__(self) -> str:
         return f"Proc({self.pid})"
 
-    def path(self, *parts: str | int) -> Path:
-        """This process's /proc path joined with `parts`: for callers that keep their own
-        descriptors (procfiles) or hand the path to a reader of their own."""
-        return self._dir.joinpath(*map(str, parts))
+    def _file(self, name: str) -> str:
+        return self._paths.pid(self.pid, name)
 
     def stat(self) -> procfs.Stat:
-        return procfs.parse_stat(self.roots.read_text(self._dir / "stat"))
+        return procfs.parse_stat(self.roots.read_text(self._file("stat")))
 
     def thread_stat(self, tid: int) -> procfs.Stat:
-        return procfs.parse_stat(self.roots.read_text(self._dir / "task" / str(tid) / "stat"))
+        return procfs.parse_stat(self.roots.read_text(self._paths.task(self.pid, tid, "stat")))
 
     def status(self) -> procfs.Status:
-        return procfs.parse_status(self.roots.read_text(self._dir / "status"))
+        return procfs.parse_status(self.roots.read_text(self._file("status")))
 
     def wchan(self, tid: int | None = None) -> str | None:
-        d = self._dir if tid is None else self._dir / "task" / str(tid)
-        return procfs.parse_wchan(self.roots.read_text(d / "wchan"))
+        path = self._file("wchan") if tid is None else self._paths.task(self.pid, tid, "wchan")
+        return procfs.parse_wchan(self.roots.read_text(path))
 
     def argv_bytes(self, limit: int = 1 << 20) -> tuple[bytes, ...]:
         """The raw NUL-split command line, trailing padding dropped; () for a kernel thread or a
         zombie. Bytes: a caller matching a file name compares what the kernel holds."""
-        data = self.roots.read_bytes(self._dir / "cmdline", limit).rstrip(b"\0")
+        data = self.roots.read_bytes(self._file("cmdline"), limit).rstrip(b"\0")
         return tuple(data.split(b"\0")) if data else ()
 
     def argv(self) -> tuple[str, ...]:
-        return procfs.parse_cmdline(self.roots.read_bytes(self._dir / "cmdline"))
+        return procfs.parse_cmdline(self.roots.read_bytes(self._file("cmdline")))
 
     def environ_bytes(self, limit: int = 1 << 20) -> bytes:
         """The raw NUL-separated environment (the owner's or root's to read)."""
-        return self.roots.read_bytes(self._dir / "environ", limit)
+        return self.roots.read_bytes(self._file("environ"), limit)
 
     def owner_uid(self) -> int:
         """The uid that owns /proc/PID (the process's effective uid; root's while it is not
         dumpable): the check a command line cannot forge."""
+        path = self._paths.pid(self.pid)
         try:
-            return os.stat(self._dir).st_uid
+            return os.stat(path).st_uid
         except OSError as e:
-            raise _mapped(e, self._dir) from e
+            raise _mapped(e, path) from e
 
     def tids(self) -> list[int]:
-        return sorted(int(n) for n in self.roots.listdir(self._dir / "task") if n.isdigit())
+        return sorted(int(n) for n in self.roots.listdir(self._file("task")) if n.isdigit())
 
     def live_thread(self) -> procfs.Stat | None:
         """The stat of a thread that has not exited (its `pid` field is the thread's id), one in
@@ -111,21 +111,21 @@ class Proc:
 
     def fds(self) -> list[int]:
         """The numbers of its open descriptors (ptrace-read access needed)."""
-        return sorted(int(n) for n in self.roots.listdir(self._dir / "fd") if n.isdigit())
+        return sorted(int(n) for n in self.roots.listdir(self._file("fd")) if n.isdigit())
 
     def fd_target(self, fd: int) -> str:
         """What descriptor `fd` points at: a path, "socket:[INODE]", "pipe:[N]", ..."""
-        return self.roots.readlink(self._dir / "fd" / str(fd))
+        return self.roots.readlink(self._file(f"fd/{int(fd)}"))
 
     def fdinfo(self, fd: int) -> tuple[int | None, int | None]:
         """(pos, open flags) of descriptor `fd`."""
-        return procfs.parse_fdinfo(self.roots.read_text(self._dir / "fdinfo" / str(fd)))
+        return procfs.parse_fdinfo(self.roots.read_text(self._file(f"fdinfo/{int(fd)}")))
 
     def cwd(self) -> str:
-        return self.roots.readlink(self._dir / "cwd")
+        return self.roots.readlink(self._file("cwd"))
 
     def mountinfo(self) -> str:
-        return self.roots.read_text(self._dir / "mountinfo", 16 << 20)
+        return self.roots.read_text(self._file("mountinfo"), 16 << 20)
 
 
 def pids(roots: Roots = DEFAULT_ROOTS) -> list[int]:
@@ -134,7 +134,7 @@ def pids(roots: Roots = DEFAULT_ROOTS) -> list[int]:
 
 
 def kernel_stat(roots: Roots = DEFAULT_ROOTS) -> str:
-    return roots.read_text(roots.proc / "stat")
+    return roots.read_text(ProcPaths(roots).host("stat"))
 
 
 def btime(roots: Roots = DEFAULT_ROOTS) -> int:
@@ -144,34 +144,29 @@ def btime(roots: Roots = DEFAULT_ROOTS) -> int:
 
 def boot_id(roots: Roots = DEFAULT_ROOTS) -> str:
     """This boot's random id: a state file from another boot names other processes."""
-    return roots.read_text(roots.proc / "sys" / "kernel" / "random" / "boot_id").strip()
+    return roots.read_text(ProcPaths(roots).host("sys/kernel/random/boot_id")).strip()
 
 
 def net_tcp(table: str, roots: Roots = DEFAULT_ROOTS, limit: int = 64 << 20) -> str:
     """The text of /proc/net/`table` ("tcp" or "tcp6")."""
     if table not in ("tcp", "tcp6"):
         raise ValueError(f"not a TCP table: {table!r}")
-    return roots.read_text(roots.proc / "net" / table, limit=limit)
+    return roots.read_text(ProcPaths(roots).host(f"net/{table}"), limit=limit)
 
 
 def diskstats(roots: Roots = DEFAULT_ROOTS) -> str:
-    return roots.read_text(roots.proc / "diskstats", 16 << 20)
+    return roots.read_text(ProcPaths(roots).host("diskstats"), 16 << 20)
 
 
 def self_mountinfo(roots: Roots = DEFAULT_ROOTS) -> str:
     return roots.read_text(mountinfo_path(roots), 16 << 20)
 
 
-def mountinfo_path(roots: Roots = DEFAULT_ROOTS, pid: int | None = None) -> Path:
+def mountinfo_path(roots: Roots = DEFAULT_ROOTS, pid: int | None = None) -> str:
     """/proc/self/mountinfo, or another process's (its mount namespace): for a caller that keeps
     the descriptor open and polls it (POLLPRI says a mount or unmount happened)."""
-    return roots.proc / ("self" if pid is None else str(int(pid))) / "mountinfo"
-
-
-def is_procfs(roots: Roots = DEFAULT_ROOTS) -> bool:
-    """Is this Roots' proc a mounted procfs (its root inode is PROC_ROOT_INO, 1), not a fixture
-    tree? Only a procfs file can be polled for changes. OSError when it cannot be stat'ed."""
-    return os.stat(roots.proc).st_ino == 1
+    paths = ProcPaths(roots)
+    return paths.host("self/mountinfo") if pid is None else paths.pid(pid, "mountinfo")
 
 
 def self_fd_path(fd: int) -> str:

@@ -14,12 +14,12 @@ import posixpath
 import select
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 from collections.abc import Callable
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.kernel import proc as kproc
+from stallwatch.kernel.procfiles import ProcPaths
 from stallwatch.kernel.diskfs import (
     SECTOR_BYTES, BlockDeviceRef, DiskStat, MountInfo, device_for_mount, mount_for_path,
     parse_diskstats, parse_mountinfo, path_in_filesystem,
@@ -171,12 +171,12 @@ class DisksProbe:
 
     # -- kernel-memory sources (cannot hang) ---------------------------------------------------
 
-    def _mountinfo_changed(self, path: Path) -> bool:
+    def _mountinfo_changed(self, path: str) -> bool:
         """False only when a kept, polled descriptor says nothing was mounted or unmounted since
         the last read."""
         if self._mi_poll is None and self._mi_fd is None:
             try:
-                on_procfs = kproc.is_procfs(self.roots)
+                on_procfs = ProcPaths(self.roots).is_procfs()
                 if on_procfs:
                     self._mi_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
                     self._mi_poll = select.poll()
