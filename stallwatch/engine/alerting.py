@@ -21,12 +21,13 @@ from enum import Enum
 from typing import Any
 
 from pydantic import Field
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from stallwatch.model import Frozen
 from stallwatch.vocab import SEVERITY_RANK
 
-from .expr import ExprEvalError, Vars, prepare
+from .expr import ExprEvalError, Vars, normalise
+from .inputs import Paths, merge, paths, pick
 from .rulefile import Rule, RuleSet
 
 __all__ = [
@@ -163,6 +164,11 @@ class _Instance:
     resolved_at: float | None = None
     keep_firing_since: float | None = None
     text: _Text = field(default_factory=_Text)
+    shot: Alert | None = None  # snapshot() until the state, the text or the rule changes
+
+    def set_text(self, text: _Text) -> None:
+        if text is not self.text:
+            self.text, self.shot = text, None
 
     def enter(self, to: AlertState, at: float) -> AlertState:
         """The only code that changes `state`; returns the state left. An edge not in `_EDGES`
@@ -171,7 +177,7 @@ class _Instance:
         before = self.state
         if to not in _EDGES[before]:
             raise ValueError(f"alert {self.rule.name}: no edge {before.value} -> {to.value}")
-        self.state, self.since = to, at
+        self.state, self.since, self.shot = to, at, None
         if to == AlertState.PENDING:
             self.active_at = at
         elif to == AlertState.FIRING:
@@ -181,12 +187,42 @@ class _Instance:
         return before
 
     def snapshot(self) -> Alert:
-        r, t = self.rule, self.text
-        return Alert(rule=r.name, kind=r.kind, severity=r.severity, priority=r.priority,
-                     warning=r.warning, labels=dict(self.labels), state=self.state,
-                     since=self.since, active_at=self.active_at, fired_at=self.fired_at,
-                     resolved_at=self.resolved_at, summary=t.summary, evidence=t.evidence,
-                     advice=t.advice, cause=t.cause)
+        if self.shot is None:
+            r, t = self.rule, self.text
+            self.shot = Alert(rule=r.name, kind=r.kind, severity=r.severity,
+                              priority=r.priority, warning=r.warning, labels=dict(self.labels),
+                              state=self.state, since=self.since, active_at=self.active_at,
+                              fired_at=self.fired_at, resolved_at=self.resolved_at,
+                              summary=t.summary, evidence=t.evidence, advice=t.advice,
+                              cause=t.cause)
+        return self.shot
+
+
+@dataclass(slots=True)
+class _Memo:
+    """A rule's last evaluation without an error: what it read and what it gave (inputs.py)."""
+    cond_in: dict[str, Any]
+    active: bool
+    labels: tuple[tuple[str, str], ...]
+    text_in: dict[str, Any] | None = None  # while active: what its labels and texts read
+    text: _Text | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Reads:
+    cond: Paths    # what the condition reads
+    text: Paths    # what the labels, summary, evidence, advice and cause read
+    every: Paths
+
+
+def _reads(rule: Rule) -> _Reads:
+    exprs = [e for _, tpl in rule.labels for e in tpl.exprs] + list(rule.summary.exprs)
+    for ev in rule.evidence:
+        exprs += [*ev.detail.exprs, *(x for x in (ev.each, ev.when) if x is not None)]
+    for tpl in (*rule.advice, *((rule.cause,) if rule.cause is not None else ())):
+        exprs += tpl.exprs
+    cond, text = paths([rule.condition]), paths(exprs)
+    return _Reads(cond, text, merge(cond, text))
 
 
 _Key = tuple[str, tuple[tuple[str, str], ...]]
@@ -212,6 +248,9 @@ class Evaluator:
         self._order = {r.name: i for i, r in enumerate(rules)}
         self._health: dict[str, RuleStatus] = {r.name: RuleStatus(rule=r.name) for r in rules}
         self._restore: dict[_Key, _Saved] = {}  # used by the first evaluation, then dropped
+        self._reads = {r.name: _reads(r) for r in rules}
+        self._memo: dict[str, _Memo] = {}
+        self._unions: dict[tuple[str, ...], Paths] = {}
 
     # -- state that outlives this evaluator
 
@@ -226,7 +265,7 @@ class Evaluator:
         for (name, labels), inst in old._active.items():
             rule = by_name.get(name)
             if rule is not None:
-                inst.rule = rule
+                inst.rule, inst.shot = rule, None
                 self._active[(name, labels)] = inst
         self._restore = {k: v for k, v in old._restore.items() if k[0] in by_name}
         self._health.update({n: h for n, h in old._health.items() if n in by_name})
@@ -286,17 +325,17 @@ class Evaluator:
         self._last = now
         errors: list[EvalError] = []
         transitions: list[Transition] = []
-        try:
-            env: Vars | None = prepare(data)
-        except (ValueError, TypeError) as exc:
-            # Variables CEL cannot take: every rule is skipped as if its query failed (state
-            # kept, nothing fires or resolves by accident) and the error is reported, never
-            # raised out of the tick.
-            env = None
-            errors.append(EvalError(rule="*", where="variables", error=str(exc)[:500]))
-        if env is not None:
-            for rule in self.rules:
+        odd: list[type] = []
+        plain = data if isinstance(data, Vars) else normalise(data, odd)
+        if isinstance(plain, Vars) or odd:
+            # Every rule against every variable, as before issue 17: a prepared context, or a
+            # value the CEL library may refuse (which must then fail every rule alike).
+            self._memo.clear()
+            env = self._context(plain, errors)
+            for rule in self.rules if env is not None else ():
                 self._evaluate_rule(rule, env, now, errors, transitions)
+        else:
+            self._evaluate_changed(plain, now, errors, transitions)
         self._restore = {}  # Prometheus restores once, at the first evaluation
         self._note_health(errors)
         alerts = sorted((i.snapshot() for i in self._active.values()),
@@ -328,22 +367,102 @@ class Evaluator:
             if (old.health, old.last_error) != (health, last_error):  # a new model only then
                 self._health[name] = RuleStatus(rule=name, health=health, last_error=last_error)
 
+    @staticmethod
+    def _context(data: Any, errors: list[EvalError], *, normalised: bool = True) -> Vars | None:
+        if isinstance(data, Vars):
+            return data
+        try:
+            return Vars(data, normalised=normalised)
+        except (ValueError, TypeError) as exc:
+            # Variables CEL cannot take: every rule is skipped as if its query failed (state
+            # kept, nothing fires or resolves by accident) and the error is reported, never
+            # raised out of the tick.
+            errors.append(EvalError(rule="*", where="variables", error=str(exc)[:500]))
+            return None
+
+    def _evaluate_changed(self, data: dict[str, Any], now: float, errors: list[EvalError],
+                          transitions: list[Transition]) -> None:
+        """Each rule evaluated again only if what it reads changed since its last evaluation
+        (inputs.py); the others give what they gave then, and every instance's timers advance
+        (`_advance`) as on any tick: `for` and `keep_firing_for` are timed here, not in CEL."""
+        plan: list[tuple[Rule, _Memo | None, dict[str, Any]]] = []
+        fresh: list[str] = []
+        for rule in self.rules:
+            reads, memo = self._reads[rule.name], self._memo.get(rule.name)
+            cond_in = pick(data, reads.cond)
+            if memo is not None and (memo.cond_in != cond_in or (
+                    memo.active and memo.text_in != pick(data, reads.text))):
+                memo = None
+            plan.append((rule, memo, cond_in))
+            if memo is None:
+                fresh.append(rule.name)
+        env = None
+        if fresh:
+            env = self._context(pick(data, self._union(tuple(fresh))), errors)
+            if env is None:
+                self._memo.clear()
+                return
+        for rule, memo, cond_in in plan:
+            if memo is not None:
+                self._apply(rule, memo.active, memo.labels, lambda m=memo: m.text, now,
+                            transitions)
+                continue
+            self._memo.pop(rule.name, None)
+            n_errors = len(errors)
+            judged = self._judge(rule, env, errors)
+            if judged is None:
+                continue
+            active, labels = judged
+            texts: list[_Text] = []
+
+            def text(rule: Rule = rule, texts: list[_Text] = texts) -> _Text:
+                texts.append(_render_text(rule, env, errors))
+                return texts[-1]
+
+            self._apply(rule, active, labels, text, now, transitions)
+            if len(errors) == n_errors:  # a rule that failed is evaluated again next tick
+                self._memo[rule.name] = _Memo(
+                    cond_in, active, labels,
+                    pick(data, self._reads[rule.name].text) if active else None,
+                    texts[-1] if texts else None)
+
+    def _union(self, names: tuple[str, ...]) -> Paths:
+        union = self._unions.get(names)
+        if union is None:
+            union = {}
+            for name in names:
+                union = merge(union, self._reads[name].every)
+            if len(self._unions) > 64:
+                self._unions.clear()
+            self._unions[names] = union
+        return union
+
     # -- one rule
 
     def _evaluate_rule(self, rule: Rule, env: Vars, now: float, errors: list[EvalError],
                        transitions: list[Transition]) -> None:
+        judged = self._judge(rule, env, errors)
+        if judged is not None:
+            self._apply(rule, *judged, lambda: _render_text(rule, env, errors), now, transitions)
+
+    @staticmethod
+    def _judge(rule: Rule, env: Vars, errors: list[EvalError]
+               ) -> tuple[bool, tuple[tuple[str, str], ...]] | None:
         # A failing rule is skipped for this tick: its instances keep their state, as in
         # Prometheus when a query fails, so a broken rule neither fires nor resolves by accident.
         try:
             active = rule.condition.evaluate_bool(env)
         except ExprEvalError as exc:
             errors.append(_error(rule, "condition", exc))
-            return
+            return None
         try:
-            labels = _render_labels(rule, env) if active else ()
+            return active, (_render_labels(rule, env) if active else ())
         except ExprEvalError as exc:
             errors.append(_error(rule, "labels", exc))  # no labels, no identity
-            return
+            return None
+
+    def _apply(self, rule: Rule, active: bool, labels: tuple[tuple[str, str], ...],
+               text: Callable[[], _Text], now: float, transitions: list[Transition]) -> None:
         seen: _Key | None = None
         if active:
             seen = (rule.name, labels)
@@ -351,7 +470,7 @@ class Evaluator:
             if inst is None or inst.state == AlertState.RESOLVED:
                 inst = _Instance(rule, labels)
                 self._active[seen] = inst
-                inst.text = _render_text(rule, env, errors)
+                inst.set_text(text())
                 saved = self._restore.get((rule.name, tuple(sorted(labels))))
                 if saved is None:
                     inst.enter(AlertState.PENDING, now)
@@ -361,7 +480,7 @@ class Evaluator:
                     if saved.firing_s is not None:
                         inst.enter(AlertState.FIRING, now - saved.firing_s)
             else:
-                inst.text = _render_text(rule, env, errors)
+                inst.set_text(text())
         for key, inst in list(self._active.items()):
             if inst.rule is rule:
                 self._advance(key, inst, key == seen, now, transitions)

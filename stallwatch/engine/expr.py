@@ -228,8 +228,13 @@ def safe_text(text: str) -> str:
     return raw.decode("utf-8", "backslashreplace")
 
 
-def normalise(value: Any) -> Any:
-    """Ints become floats all the way down (see module docstring); containers become lists/dicts."""
+def normalise(value: Any, odd: list | None = None) -> Any:
+    """Ints become floats all the way down (see module docstring); containers become lists/dicts.
+
+    With `odd`, the type of every value left as it is (not a plain str, number, bool, None,
+    bytes, dict, list, tuple or set: the CEL library may refuse it) and of every map key that is
+    not a str is appended to it: the evaluator then builds the whole context, as before issue 17,
+    so that such a value fails every rule alike."""
     # Exact types first: this runs over every variable every tick, and isinstance against the
     # typing ABCs below is slow (bench/: docs/performance.md).
     t = type(value)
@@ -240,10 +245,12 @@ def normalise(value: Any) -> Any:
     if t is int:
         return float(value)
     if t is dict:
-        return {k if type(k) is not str or k.isascii() else safe_text(k): normalise(v)
+        if odd is not None and any(type(k) is not str for k in value):
+            odd.append(dict)
+        return {k if type(k) is not str or k.isascii() else safe_text(k): normalise(v, odd)
                 for k, v in value.items()}
     if t is list or t is tuple:
-        return [normalise(v) for v in value]
+        return [normalise(v, odd) for v in value]
     if isinstance(value, str):
         return safe_text(str(value))
     if isinstance(value, bool) or value is None or isinstance(value, (float, bytes)):
@@ -251,11 +258,13 @@ def normalise(value: Any) -> Any:
     if isinstance(value, int):
         return float(value)
     if isinstance(value, Mapping):
-        return {k: normalise(v) for k, v in value.items()}
+        return {k: normalise(v, odd) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [normalise(v) for v in value]
+        return [normalise(v, odd) for v in value]
     if isinstance(value, (set, frozenset)):
-        return [normalise(v) for v in sorted(value, key=repr)]
+        return [normalise(v, odd) for v in sorted(value, key=repr)]
+    if odd is not None:
+        odd.append(t)
     return value
 
 
@@ -269,8 +278,8 @@ class Vars:
 
     __slots__ = ("_ctx",)
 
-    def __init__(self, data: Mapping[str, Any]):
-        self._ctx = cel.Context(variables=normalise(data))
+    def __init__(self, data: Mapping[str, Any], *, normalised: bool = False):
+        self._ctx = cel.Context(variables=data if normalised else normalise(data))
 
     def bind(self, name: str, value: Any) -> None:
         # The context is shared and CEL has no scopes of ours, so binding overwrites in place.
