@@ -245,10 +245,21 @@ def normalise(value: Any, odd: list | None = None) -> Any:
     if t is int:
         return float(value)
     if t is dict:
-        if odd is not None and any(type(k) is not str for k in value):
-            odd.append(dict)
-        return {k if type(k) is not str or k.isascii() else safe_text(k): normalise(v, odd)
-                for k, v in value.items()}
+        out = {}
+        for k, v in value.items():
+            if type(k) is not str:
+                if odd is not None:
+                    odd.append(type(k))
+            elif not k.isascii():
+                k = safe_text(k)
+            tv = type(v)  # the common leaves inline: a call per value was half the cost
+            if tv is float or tv is bool or v is None or (tv is str and v.isascii()):
+                out[k] = v
+            elif tv is int:
+                out[k] = float(v)
+            else:
+                out[k] = normalise(v, odd)
+        return out
     if t is list or t is tuple:
         return [normalise(v, odd) for v in value]
     if isinstance(value, str):
