@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stallwatch import diagnose
+from stallwatch.engine import diagnose
 from stallwatch.engine import Evaluator, RuleSet, Vars, load_rules
 from stallwatch.engine.inputs import paths, pick
 from stallwatch.engine.expr import compile_expr
@@ -143,9 +143,9 @@ def test_paths_take_the_deepest_node_named_and_whole_roots_for_bound_names() -> 
 @pytest.mark.parametrize("trace", ["healthy", "deadlock"])
 def test_the_default_rules_on_recorded_ticks_agree_with_every_rule_every_tick(trace) -> None:
     """The daemon's own variables, from real captures: same outcome, fewer evaluations."""
-    from stallwatch.features import features
-    from stallwatch.snapshot import Snapshot
-    from stallwatch.trace import read_trace
+    from stallwatch.engine.features import features
+    from stallwatch.probes.snapshot import Snapshot
+    from stallwatch.probes.trace import read_trace
 
     _, raw, _ = read_trace(Path(__file__).parent / "data" / "traces" / f"{trace}.jsonl")
     snaps = [Snapshot.model_validate({k: v for k, v in s.items() if k != "type"}) for s in raw]

@@ -207,6 +207,9 @@ class _Memo:
     text_in: dict[str, Any] | None = None  # while active: what its labels and texts read
     text: _Text | None = None
 
+    def kept_text(self) -> _Text:
+        return self.text or _Text()  # set whenever it was active
+
 
 @dataclass(frozen=True, slots=True)
 class _Reads:
@@ -331,9 +334,10 @@ class Evaluator:
             # Every rule against every variable, as before issue 17: a prepared context, or a
             # value the CEL library may refuse (which must then fail every rule alike).
             self._memo.clear()
-            env = self._context(plain, errors)
-            for rule in self.rules if env is not None else ():
-                self._evaluate_rule(rule, env, now, errors, transitions)
+            whole = self._context(plain, errors)
+            if whole is not None:
+                for rule in self.rules:
+                    self._evaluate_rule(rule, whole, now, errors, transitions)
         else:
             self._evaluate_changed(plain, now, errors, transitions)
         self._restore = {}  # Prometheus restores once, at the first evaluation
@@ -396,16 +400,15 @@ class Evaluator:
             plan.append((rule, memo, cond_in))
             if memo is None:
                 fresh.append(rule.name)
-        env = None
-        if fresh:
-            env = self._context(pick(data, self._union(tuple(fresh))), errors)
-            if env is None:
-                self._memo.clear()
-                return
+        env = self._context(pick(data, self._union(tuple(fresh))), errors) if fresh else None
+        if fresh and env is None:
+            self._memo.clear()
+            return
         for rule, memo, cond_in in plan:
             if memo is not None:
-                self._apply(rule, memo.active, memo.labels, lambda m=memo: m.text, now,
-                            transitions)
+                self._apply(rule, memo.active, memo.labels, memo.kept_text, now, transitions)
+                continue
+            if env is None:  # never: a rule evaluated afresh has a context
                 continue
             self._memo.pop(rule.name, None)
             n_errors = len(errors)
@@ -415,7 +418,7 @@ class Evaluator:
             active, labels = judged
             texts: list[_Text] = []
 
-            def text(rule: Rule = rule, texts: list[_Text] = texts) -> _Text:
+            def text(rule: Rule = rule, texts: list[_Text] = texts, env: Vars = env) -> _Text:
                 texts.append(_render_text(rule, env, errors))
                 return texts[-1]
 

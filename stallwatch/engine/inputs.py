@@ -21,7 +21,8 @@ not from every variable: building it is what an evaluation costs (0.3 ms for a h
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any
+from collections.abc import Iterable, Mapping
 
 from .expr import Expr
 
