@@ -86,6 +86,11 @@ class Outcome(NamedTuple):
     def ok(self) -> bool:
         return self.reason is None
 
+    @property
+    def failure(self) -> str:
+        """The reason of a failed call, typed as a str for code that checked `ok`; "" on success."""
+        return self.reason or ""
+
 
 class Nvml:
     """A lazily initialised NVML session; thread-safe, and never raises to its callers.

@@ -130,8 +130,8 @@ def _disk_paths(static: list[str], procs: ProcessesObs | None, limit: int = 16) 
             if f.write and f.path.startswith("/") and not f.path.startswith(("/dev/", "/proc/")):
                 paths.append(os.path.dirname(f.path))
     seen: dict[str, None] = {}
-    for p in paths:
-        seen.setdefault(os.path.normpath(p), None)
+    for path in paths:
+        seen.setdefault(os.path.normpath(path), None)
     return list(seen)[:limit]
 
 

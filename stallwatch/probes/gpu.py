@@ -308,7 +308,7 @@ class GpuProbe:
         if dev is None:
             h = self.nvml.call("nvmlDeviceGetHandleByIndex", i)
             if not h.ok:
-                return GpuDeviceObs(index=i, lost=h.reason in LOST_REASONS, errors={"handle": h.reason})
+                return GpuDeviceObs(index=i, lost=h.reason in LOST_REASONS, errors={"handle": h.failure})
             dev = self._devices[i] = _Device(handle=h.value)
             self._register_events(i, dev)
         fields: dict[str, Any] = {}
@@ -345,9 +345,9 @@ class GpuProbe:
         out = self.nvml.call_first(names, dev.handle, *args)
         if out.ok:
             return out.value
-        errors[key] = out.reason
+        errors[key] = out.failure
         if out.reason in _PERMANENT:
-            dev.unsupported[key] = out.reason
+            dev.unsupported[key] = out.failure
         # Stop asking a dead GPU: each further call could block as long as this one did.
         if out.reason == "gpu_lost" or (key in _CORE and out.reason in LOST_REASONS):
             raise _Lost
@@ -405,10 +405,10 @@ class GpuProbe:
             if out.ok:
                 mem = out.value
             elif out.reason in LOST_REASONS:
-                errors["memory"] = out.reason
+                errors["memory"] = out.failure
                 raise _Lost
             else:
-                dev.unsupported["memory_v2"] = out.reason
+                dev.unsupported["memory_v2"] = out.failure
         if mem is None:
             mem = self._read(dev, errors, "memory", "nvmlDeviceGetMemoryInfo")
         if mem is not None:
@@ -471,7 +471,7 @@ class GpuProbe:
             if latest:
                 dev.proc_util_since_us = max(s.timeStamp for s in latest.values())
         else:
-            errors["process_utilization"] = out.reason
+            errors["process_utilization"] = out.failure
             if out.reason == "gpu_lost":
                 raise _Lost
         sample["proc_util"] = proc_util

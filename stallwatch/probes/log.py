@@ -28,6 +28,10 @@ from stallwatch.probes.text.progress import (
 from stallwatch.probes.text.timestamps import LineTime, gap_s, line_time
 
 
+CadenceSource = Literal["observed", "log_timestamps", "tqdm_elapsed", "tqdm_rate", "mixed"]
+IdleSource = Literal["observed", "mtime", "mtime_lower_bound", "mtime_timestamps"]
+
+
 class Cadence(Frozen):
     """How often `done` changes: the job's own rhythm, so rules adapt to slow jobs."""
 
@@ -35,7 +39,7 @@ class Cadence(Frozen):
     p90_s: float
     max_s: float
     samples: int
-    source: Literal["observed", "log_timestamps", "tqdm_elapsed", "tqdm_rate", "mixed"]
+    source: CadenceSource
     # Gaps far beyond the rhythm that were left out of it (see LogProbe._add_interval).
     outliers: int = 0
     last_outlier_s: float | None = None
@@ -70,7 +74,7 @@ class LogObs(Frozen):
     idle_s: float | None = None  # since `done` last changed
     # mtime_timestamps: the log kept growing after the last progress line; the gap between that
     # line's timestamp and the last line's is added to the file's age.
-    idle_source: Literal["observed", "mtime", "mtime_lower_bound", "mtime_timestamps"] | None = None
+    idle_source: IdleSource | None = None
     cadence_s: Cadence | None = None
     rate_per_s: float | None = None  # measured here: done delta over a window of our clock
     tqdm_rate_per_s: float | None = None
@@ -148,13 +152,13 @@ class LogProbe:
         self._last: ProgressEvent | None = None
         self._events = self._changes = 0
         self._last_change: float | None = None  # clock.monotonic() when done last changed
-        self._idle_source: str | None = None
+        self._idle_source: IdleSource | None = None
         self._intervals: deque[float] = deque(maxlen=self.CADENCE_RING)
         self._estimated = self._observed = 0  # ring entries learned from history / measured
         self._seq = 0  # intervals timed since the run began, outliers included
         self._outliers: deque[tuple[int, float]] = deque(maxlen=8)  # (seq, gap_s)
         self._outliers_total = 0
-        self._history_source = "tqdm_rate"
+        self._history_source: CadenceSource = "tqdm_rate"
         self._samples: deque[tuple[float, float]] = deque(maxlen=64)  # (monotonic, done)
         self._last_growth: float | None = None
         self._peeked: str | None = None  # partial line already counted as progress
@@ -249,7 +253,9 @@ class LogProbe:
             self._side[ev.desc] = ev.done
             self._side_moved = True
         samples = [b.samples for b in self._bars.observe(at).bars]
-        postfix = {"samples": sum(samples)} if samples and None not in samples else {}
+        counted = [s for s in samples if s is not None]
+        postfix: dict[str, int | float | str] = (
+            {"samples": sum(counted)} if samples and len(counted) == len(samples) else {})
         if last is not None and done == last.done and not moved:
             return last
         return ProgressEvent(done=int(done) if float(done).is_integer() else done,
@@ -381,6 +387,7 @@ class LogProbe:
         xs = list(self._intervals)
         if not xs:
             return None
+        source: CadenceSource
         if not self._estimated:
             source = "observed"
         else:
