@@ -18,7 +18,7 @@ def test_the_vocabulary_module_depends_on_nothing_of_stallwatch() -> None:
     tree = ast.parse((ROOT / "stallwatch" / "vocab.py").read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert imported <= {"__future__", "enum"}
+    assert imported <= {"__future__", "collections.abc", "enum", "typing"}  # stdlib only
 
 
 def test_the_verdict_vocabulary_is_spelled_once() -> None:
@@ -43,10 +43,9 @@ def _recovery():
 
 
 def test_every_recovery_phase_has_a_step_and_a_row_of_edges() -> None:
-    from stallwatch.daemon.recovery import Recovery
-
-    assert set(Recovery._steps) == set(vocab.RecoveryPhase) == set(vocab.RECOVERY_EDGES)
-    assert all(callable(getattr(Recovery, name)) for name in Recovery._steps.values())
+    rec, _ = _recovery()
+    assert set(rec._steps) == set(vocab.RecoveryPhase) == set(vocab.RECOVERY_EDGES)
+    assert all(callable(step) for step in rec._steps.values())
     finals = {p for p, to in vocab.RECOVERY_EDGES.items() if not to}
     assert finals == vocab.RECOVERY_FINAL
 
@@ -68,3 +67,27 @@ def test_a_job_phase_outside_the_vocabulary_raises() -> None:
     with pytest.raises(ValueError):
         vocab.JobPhase("gave_up")  # a metrics state, not a phase
     assert set(vocab.TERMINAL_PHASES) <= {p.value for p in vocab.JobPhase}
+
+
+def test_a_recovery_takes_every_edge_of_its_table_and_refuses_every_other() -> None:
+    taken = refused = 0
+    for frm in vocab.RecoveryPhase:
+        for to in vocab.RecoveryPhase:
+            rec, said = _recovery()
+            rec.phase = frm  # the test puts it there; only _move changes it after __init__
+            if to in vocab.RECOVERY_EDGES[frm]:
+                assert rec._move(to) == to and rec.phase == to
+                taken += 1
+            else:
+                with pytest.raises(vocab.PhaseError, match=f"no edge {frm} -> {to}"):
+                    rec._move(to)
+                assert rec.phase == frm
+                refused += 1
+    assert taken == sum(map(len, vocab.RECOVERY_EDGES.values())) and refused > taken
+
+
+def test_every_job_phase_has_a_row_of_edges() -> None:
+    assert set(vocab.JOB_EDGES) == set(vocab.JobPhase)
+    # Nothing leads back to a job never seen, but a config change that starts it afresh.
+    into_new = {p for p, to in vocab.JOB_EDGES.items() if vocab.JobPhase.NEW in to}
+    assert into_new == {vocab.JobPhase.FINISHED, vocab.JobPhase.STOPPED}

@@ -412,11 +412,7 @@ class Daemon:
         self.config = new.model_copy(update={"daemon": new.daemon.model_copy(
             update={"state_dir": self.state_dir})})
         for name in [n for n in self.jobs if new.job_named(n) is None]:
-            runner = self.jobs.pop(name)
-            runner.close()
-            self.db.update_job(name, phase="unwatched",
-                               phase_detail="removed from the config: no longer watched (left "
-                                            "running if it runs)")
+            self.jobs.pop(name).unwatch()
             log.info("job %s: removed from the config: no longer watched, left as it is", name)
         for job in new.job:
             rs, key = rules[job.name]

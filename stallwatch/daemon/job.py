@@ -43,7 +43,8 @@ from stallwatch.engine import Evaluator, RuleSet
 from stallwatch.engine.alerting import AlertState, Evaluation, Verdict
 from stallwatch.engine.features import features
 from stallwatch.engine.history import History, sample, sparkline_text, sparklines
-from stallwatch.vocab import JobPhase, PROBLEM_KINDS, RESTART_KINDS, STALL_KINDS, TERMINAL_PHASES
+from stallwatch.vocab import (JOB_EDGES, PROBLEM_KINDS, RESTART_KINDS, STALL_KINDS,
+                              TERMINAL_PHASES, JobPhase, PhaseError, edge)
 
 if TYPE_CHECKING:
     from stallwatch.daemon.core import Daemon
@@ -77,7 +78,8 @@ class JobRunner:
         self.evaluator = Evaluator(rules)
         self.alert_memory = AlertMemory(self.name, self.db)  # timers and health, in the db
         self.collector = None
-        self.phase = JobPhase.NEW.value
+        self._phase = JobPhase.NEW  # changed by set_phase only
+        self._phase_changed = False  # set_phase took an edge: no more resuming from the database
         self.run_row: dict[str, Any] | None = None
         self.popen = None  # our wrapper (setsid) or systemd-run, while it is our child
         self.exit_noted = False
@@ -151,15 +153,40 @@ class JobRunner:
             return None
         return doc
 
-    def _phase_is(self, phase: str) -> None:
-        """The only code that assigns `phase`; a word outside stallwatch.vocab.JobPhase raises.
-        (Which edges are allowed is not a table yet: the phases come back from the state
-        database at start-up, and the edges are spread over job.py, core.py and foreground.py.)"""
-        self.phase = JobPhase(phase).value
+    @property
+    def phase(self) -> JobPhase:
+        return self._phase
 
-    def set_phase(self, phase: str, detail: str = "", **extra: Any) -> None:
-        self._phase_is(phase)
-        self.db.update_job(self.name, phase=phase, phase_detail=detail, **extra)
+    def set_phase(self, phase: str, detail: str = "", *, persist: bool = True,
+                  resumed: bool = False, **extra: Any) -> None:
+        """The only code that changes `phase`. An edge not in stallwatch.vocab.JOB_EDGES raises
+        PhaseError before anything is written; otherwise the phase, its detail and the `extra`
+        job columns are written in one update.
+
+        persist=False: the phase is this daemon's only (a dry run that did not start the job: the
+        row keeps `new`, so that a later daemon that is not a dry run starts it).
+        resumed=True: the phase the state database holds at start-up, where the previous daemon
+        left the job (JobRunner.start, once, before any edge): not an edge, and written nowhere.
+        Before that, start-up may write the row itself (reconcile_intents finishing a spawn,
+        _adopt_orphan, a reset for a changed config): the previous daemon's changes, finished."""
+        if resumed:
+            if self._phase_changed:
+                raise PhaseError(f"job {self.name}: resuming phase {phase!r} after the daemon "
+                                 f"changed it (now {self._phase})")
+            self._phase = JobPhase(phase)
+            return
+        to = edge(JOB_EDGES, self._phase, phase, f"job {self.name}")
+        if persist:
+            extra["phase"] = to.value
+        self.db.update_job(self.name, phase_detail=detail, **extra)
+        self._phase = to
+        self._phase_changed = True
+
+    def unwatch(self) -> None:
+        """Removed from the config by a reload: no longer watched, left running if it runs."""
+        self.set_phase(JobPhase.UNWATCHED, "removed from the config: no longer watched (left "
+                                           "running if it runs)")
+        self.close()
 
     def restarts(self) -> int:
         row = self.db.job(self.name)
@@ -311,8 +338,7 @@ class JobRunner:
         if afresh:
             log.info("job %s: its configuration changed while it was %s: starting afresh",
                      self.name, self.phase)
-            self.db.update_job(self.name, phase="new", phase_detail="", restarts=0)
-            self._phase_is(JobPhase.NEW)
+            self.set_phase(JobPhase.NEW, "", restarts=0)
             self.start_first()
 
     def _forget_processes(self) -> None:
@@ -347,7 +373,6 @@ class JobRunner:
                                restarts=0, recovery_incident=None)
         self.db.update_job(self.name, config_json=self.config_json())
         row = self.db.job(self.name)
-        self._phase_is(row["phase"])
         if row["phase"] != "new":  # not afresh: the previous daemon's `for` timers resume
             self.alert_memory.restore(self.evaluator, row["verdict_at"], self.clock.time())
         for inc in self.db.open_incidents(self.name):
@@ -357,11 +382,12 @@ class JobRunner:
             reconcile_intents(self.db, self.name)
             if self.db.latest_run(self.name) is None:
                 self._adopt_orphan()
-            # Read the row again: reconciling may have completed a restart the previous daemon
-            # made (phase starting, no recovery in progress). Going on from the stale row would
-            # resume that recovery and kill the freshly restarted run: a double restart.
-            before, row = row, self.db.job(self.name)
-            self._phase_is(row["phase"])
+        # Read the row again: reconciling may have completed a restart the previous daemon
+        # made (phase starting, no recovery in progress). Going on from the stale row would
+        # resume that recovery and kill the freshly restarted run: a double restart.
+        before, row = row, self.db.job(self.name)
+        self.set_phase(row["phase"], resumed=True)
+        if self.cfg.supervised:
             done = before["recovery_incident"]
             if done and row["recovery_incident"] is None and row["phase"] == "starting":
                 self.resolve_by_restart(done, int(row["restarts"]))
@@ -491,6 +517,7 @@ class JobRunner:
     def _spawn(self, what: str, attempt: int | None, incident_id: int | None) -> None:
         """Intent → spawn → completion. The completion transaction is the only place a restart
         is counted."""
+        edge(JOB_EDGES, self.phase, JobPhase.STARTING, f"job {self.name}")  # refused before a spawn
         seq = self.db.next_seq(self.name)
         status_file = self._runs_dir() / f"{self.name}-{seq}.json"
         sysd = use_systemd_run(self.daemon_cfg.systemd_run)
@@ -513,12 +540,10 @@ class JobRunner:
             self.db.complete_action(aid, f"started run {seq} ({sp.how}"
                                          + (f", wrapper pid {sp.wrapper_pid}" if sp.wrapper_pid else "")
                                          + (f", unit {sp.unit}" if sp.unit else "") + ")")
-            fields: dict[str, Any] = {"phase": "starting", "phase_detail": f"run {seq}",
-                                      "recovery_incident": None, "pid": None, "start_ticks": None}
+            fields: dict[str, Any] = {"recovery_incident": None, "pid": None, "start_ticks": None}
             if attempt is not None:
                 fields["restarts"] = attempt
-            self.db.update_job(self.name, **fields)
-        self._phase_is(JobPhase.STARTING)
+            self.set_phase(JobPhase.STARTING, f"run {seq}", **fields)
         self.popen = sp.popen
         self.run_row = self.db.run(run_id)
         self._forget_processes()
@@ -532,8 +557,7 @@ class JobRunner:
     def start_first(self) -> None:
         if self.dry_run:
             # Only in memory: a later daemon that is not a dry run starts it.
-            self._phase_is(JobPhase.STOPPED)
-            self.db.update_job(self.name, phase_detail="dry run: not started")
+            self.set_phase(JobPhase.STOPPED, "dry run: not started", persist=False)
             log.info("job %s: dry run: not started", self.name)
             return
         try:

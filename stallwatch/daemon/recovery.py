@@ -28,10 +28,10 @@ import logging
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from stallwatch.daemon.supervise import SpawnError, identity_alive
-from stallwatch.vocab import RECOVERY_EDGES, RECOVERY_FINAL, RECOVERY_FIRST, RecoveryPhase
+from stallwatch.vocab import RECOVERY_EDGES, RECOVERY_FINAL, RECOVERY_FIRST, RecoveryPhase, edge
 
 if TYPE_CHECKING:
     from stallwatch.daemon.job import JobRunner
@@ -72,6 +72,16 @@ class Recovery:
         self.evidence = evidence
         self.phase = RecoveryPhase.EVIDENCE if evidence is not None else RecoveryPhase.KILL
         assert self.phase in RECOVERY_FIRST
+        # One step per phase, a table of handlers rather than names built from the phase's
+        # spelling; bound here, so that a step a test wrapped on the class (the hardening tests'
+        # failpoints) is the one run.
+        self._steps: dict[RecoveryPhase, Callable[[Any], None]] = {
+            RecoveryPhase.EVIDENCE: self._evidence, RecoveryPhase.KILL: self._kill,
+            RecoveryPhase.WAIT_GONE: self._wait_gone, RecoveryPhase.WAIT_GPU: self._wait_gpu,
+            RecoveryPhase.VALIDATE: self._validate, RecoveryPhase.BACKOFF: self._backoff,
+            RecoveryPhase.RESTART: self._restart, RecoveryPhase.DONE: self._final,
+            RecoveryPhase.GAVE_UP: self._final,
+        }
         self.entered = runner.clock.monotonic()
         self.kill = None
         self.validation: Future | None = None
@@ -89,12 +99,10 @@ class Recovery:
 
     def _move(self, to: str) -> RecoveryPhase:
         """The only code that changes `phase` after __init__: an edge not in
-        stallwatch.vocab.RECOVERY_EDGES is a bug here, refused before anything is done."""
-        to = RecoveryPhase(to)
-        if to not in RECOVERY_EDGES[self.phase]:
-            raise ValueError(f"job {self.r.name}: recovery from {self.kind}: no edge "
-                             f"{self.phase} -> {to}")
-        self.phase = to
+        stallwatch.vocab.RECOVERY_EDGES is a bug here, refused (PhaseError) before anything is
+        done."""
+        self.phase = to = edge(RECOVERY_EDGES, self.phase, to,
+                               f"job {self.r.name}: recovery from {self.kind}")
         self.entered = self.r.clock.monotonic()
         return to
 
@@ -122,15 +130,12 @@ class Recovery:
         """Advance as far as the world allows this tick (several phases when they are instant)."""
         for _ in range(len(PHASES)):
             before = self.phase
-            getattr(self, self._steps[self.phase])(snap)
+            self._steps[self.phase](snap)
             if self.phase == before or self.finished:
                 return
 
-    def _done(self, snap: Any) -> None:
-        pass
-
-    def _gave_up(self, snap: Any) -> None:
-        pass
+    def _final(self, snap: Any) -> None:
+        """done, gave_up: nothing left to do."""
 
     def _evidence(self, snap: Any) -> None:
         fut = self.evidence
@@ -336,16 +341,6 @@ class Recovery:
 
     def describe(self) -> str:
         return f"{self.kind}: {self.phase}"
-
-    # One step per phase, named in a table rather than built from the phase's spelling; looked up
-    # on the instance at each step, so that a step wrapped later (tests' failpoints) is the one run.
-    _steps: dict[RecoveryPhase, str] = {
-        RecoveryPhase.EVIDENCE: "_evidence", RecoveryPhase.KILL: "_kill",
-        RecoveryPhase.WAIT_GONE: "_wait_gone", RecoveryPhase.WAIT_GPU: "_wait_gpu",
-        RecoveryPhase.VALIDATE: "_validate", RecoveryPhase.BACKOFF: "_backoff",
-        RecoveryPhase.RESTART: "_restart", RecoveryPhase.DONE: "_done",
-        RecoveryPhase.GAVE_UP: "_gave_up",
-    }
 
 
 def candidates_from(snap: Any, outputs: Path | None) -> list[str]:
