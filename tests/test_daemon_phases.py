@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 
 from stallwatch.clock import FakeClock
-from stallwatch.config import JobConfig
+from stallwatch.daemon.config import JobConfig
 from stallwatch.daemon.job import JobRunner
 from stallwatch.engine.rulefile import RuleSet
-from stallwatch.state import StateDB
+from stallwatch.daemon.state import StateDB
 from stallwatch.vocab import JOB_EDGES, JobPhase, PhaseError
 
 
