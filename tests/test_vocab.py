@@ -73,7 +73,7 @@ def test_a_recovery_takes_every_edge_of_its_table_and_refuses_every_other() -> N
     taken = refused = 0
     for frm in vocab.RecoveryPhase:
         for to in vocab.RecoveryPhase:
-            rec, said = _recovery()
+            rec, _ = _recovery()
             rec.phase = frm  # the test puts it there; only _move changes it after __init__
             if to in vocab.RECOVERY_EDGES[frm]:
                 assert rec._move(to) == to and rec.phase == to

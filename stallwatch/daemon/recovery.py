@@ -28,7 +28,8 @@ import logging
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from stallwatch.daemon.supervise import SpawnError, identity_alive
 from stallwatch.vocab import RECOVERY_EDGES, RECOVERY_FINAL, RECOVERY_FIRST, RecoveryPhase, edge
