@@ -242,7 +242,9 @@ def test_zombie_leader_with_a_live_thread_is_not_gone() -> None:
                           adopt_group=False)
         k.step()
         assert k.state is KillState.term_sent and not k.finished, k.report()
-        assert sent and k.survivors[0].state == "S"
+        # the worker's state: S once it sleeps, R while it is still getting there (the leader
+        # can exit before the worker has reached its sleep; seen 2 in 20 runs): never Z
+        assert sent and k.survivors[0].state in ("S", "R"), k.survivors
         os.killpg(p.pid, 9)
         p.wait(10)
         assert not identity_alive(p.pid, ticks)

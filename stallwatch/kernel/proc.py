@@ -90,16 +90,16 @@ class Proc:
         """The stat of a thread that has not exited (its `pid` field is the thread's id), one in
         D first; None when every thread has exited. A zombie leader whose other threads live on
         (one blocked in D writing to a frozen filesystem) still holds its files and its blocked
-        write: it is not gone. Threads that vanish while looked at are skipped."""
+        write: it is not gone. Threads that vanish (or cannot be read) while looked at are skipped."""
         try:
             tids = self.tids()
-        except (Absent, Denied):
+        except (Absent, Denied, OSError):
             return None
         best: procfs.Stat | None = None
         for tid in tids:
             try:
                 st = self.thread_stat(tid)
-            except (Absent, Denied, ValueError):
+            except (Absent, Denied, OSError, ValueError):
                 continue
             if st.state in DEAD_STATES:
                 continue
