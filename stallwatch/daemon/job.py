@@ -55,6 +55,10 @@ HISTORY_WINDOW_S = 300.0  # what the sparklines show: the last five minutes
 HISTORY_SAVE_S = 5.0  # how often the history is written for `status` (one JSON row)
 TERMINAL = TERMINAL_PHASES
 PID_FILE_MAX_BYTES = 64  # "12345\n" and then some: a pid file is never more
+# While the process the pid file named is alive, the file is re-read this often, not every tick
+# (a read costs a worker-thread handoff: the file is on the job's filesystem, which may hang);
+# every tick until then and from the tick its process is seen gone (issue 17).
+PID_FILE_RECHECK_S = 5.0
 
 
 def verdict_doc(v: Verdict, at: float | None = None) -> dict[str, Any]:
@@ -96,6 +100,7 @@ class JobRunner:
         self._gone_ticks = 0
         self._starting_since: float | None = None
         self._pid_file_pid: int | None = None
+        self._pid_file_read_at: float | None = None  # monotonic
         self._spawn_error = ""
         self._refused_status: set[str] = set()
         self._pid_file_refused = ""
@@ -681,7 +686,21 @@ class JobRunner:
                                  advice=("read the end of the job's log for how it ended",))
         log.warning("job %s: %s", self.name, why)
 
+    def _pid_file_due(self) -> bool:
+        now = self.clock.monotonic()
+        snap = self.last_snap
+        alive = self._pid_file_pid is not None and snap is not None and any(
+            p.pid == self._pid_file_pid and p.role == "target" and p.state not in ("Z", "X")
+            for p in (snap.processes.processes if snap.processes is not None else ()))
+        if alive and self._pid_file_read_at is not None \
+                and now - self._pid_file_read_at < PID_FILE_RECHECK_S:
+            return False
+        self._pid_file_read_at = now
+        return True
+
     def _poll_pid_file(self) -> None:
+        if not self._pid_file_due():
+            return
         path = self.cfg.pid_file
 
         def read() -> tuple[int | None, str, int | None]:

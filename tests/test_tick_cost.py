@@ -1,0 +1,85 @@
+"""What a steady tick no longer does (issue 17), and that what it skips is still seen in time."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from stallwatch.daemon import job as job_module
+from stallwatch.daemon.config import load_config
+from stallwatch.daemon.core import Daemon
+from stallwatch.daemon.state import StateDB
+from stallwatch.kernel import safefs
+
+
+def _wait_for(probe, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = probe()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                            start_new_session=True)
+
+
+def test_the_pid_file_is_reread_while_its_process_lives_only_every_recheck(
+        tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(job_module, "PID_FILE_RECHECK_S", 1.0)
+    pid_file = tmp_path / "job.pid"
+    reads: list[float] = []
+    real_open = safefs.open_file
+
+    def counting_open(path, *a, **kw):
+        if Path(path) == pid_file:
+            reads.append(time.monotonic())
+        return real_open(path, *a, **kw)
+
+    monkeypatch.setattr(safefs, "open_file", counting_open)
+    first, second, third = _sleeper(), _sleeper(), _sleeper()
+    pid_file.write_text(f"{first.pid}\n")
+    cfg = tmp_path / "sw.toml"
+    cfg.write_text(f'[daemon]\ninterval_s = 0.1\nstate_dir = "state"\n\n'
+                   f'[[job]]\nname = "j"\npid_file = "{pid_file}"\n')
+    cfg.chmod(0o644)
+    d = Daemon(load_config(cfg), gpu=False)
+    t = threading.Thread(target=d.run, name="daemon")
+    t.start()
+
+    def pid() -> int | None:
+        db = StateDB.open_readonly(tmp_path / "state")
+        try:
+            return (db.job("j") or {}).get("pid")
+        finally:
+            db.close()
+
+    try:
+        assert d.started.wait(30)
+        _wait_for(lambda: pid() == first.pid, 20, "the first process adopted")
+        ticks0, reads0, t0 = d.ticks, len(reads), time.monotonic()
+        _wait_for(lambda: d.ticks - ticks0 >= 20, 30, "20 ticks")
+        ticks, wall_s = d.ticks - ticks0, time.monotonic() - t0
+        # Once a second (the recheck), not once a tick (10 a second).
+        assert len(reads) - reads0 <= wall_s / 1.0 + 2, (len(reads) - reads0, ticks, wall_s)
+        # A new pid while the old process lives: adopted at the next recheck.
+        pid_file.write_text(f"{second.pid}\n")
+        _wait_for(lambda: pid() == second.pid, 10, "the second process adopted")
+        # The process gone: the file is read again on the next tick, not a recheck later.
+        monkeypatch.setattr(job_module, "PID_FILE_RECHECK_S", 3600.0)
+        pid_file.write_text(f"{third.pid}\n")
+        second.kill()
+        second.wait(10)
+        _wait_for(lambda: pid() == third.pid, 10, "the third process adopted after the second died")
+    finally:
+        d.request_stop()
+        t.join(30)
+        for p in (first, second, third):
+            p.kill()
