@@ -31,10 +31,8 @@ from stallwatch.daemon.metrics import (
     GpuView,
     JobGpu,
     JobView,
-    MetricsExporter,
-    parse_listen,
-    write_atomic,
 )
+from stallwatch.daemon.metrics_export import MetricsExporter, parse_listen, write_atomic
 from stallwatch.probes.base import ProbeReport, ProbeStatus
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -269,7 +267,7 @@ def test_daemon_metrics_adapter_reads_the_daemon(tmp_path):
     dispatcher's status, and never an exception into the tick."""
     from types import SimpleNamespace as NS
 
-    from stallwatch.daemon.metrics import DaemonMetrics, deliveries_from_status
+    from stallwatch.daemon.metrics_export import DaemonMetrics, deliveries_from_status
 
     class DB:
         def __init__(self):
@@ -971,7 +969,7 @@ def test_the_real_daemon_with_the_exporter_wired_in(tmp_path, monkeypatch):
     in exactly as docs/fleet.md tells the daemon to: a supervised job, scraped over HTTP."""
     from stallwatch.daemon.config import load_config
     from stallwatch.daemon.core import Daemon
-    from stallwatch.daemon.metrics import DaemonMetrics
+    from stallwatch.daemon.metrics_export import DaemonMetrics
 
     if _daemon_wiring() is not None:  # not wired yet: apply the documented wiring here
         def start(self):

@@ -78,7 +78,8 @@ def _scrape(port: int, timeout: float = 10.0) -> tuple[int, str]:
 
 @pytest.fixture()
 def exporter():
-    from stallwatch.daemon.metrics import DaemonView, JobView, MetricsExporter
+    from stallwatch.daemon.metrics import DaemonView, JobView
+    from stallwatch.daemon.metrics_export import MetricsExporter
 
     e = MetricsExporter("127.0.0.1:0").start()
     e.update([JobView(name="victim", kind="healthy")], DaemonView(version="t"))

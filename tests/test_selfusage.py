@@ -12,7 +12,8 @@ import time
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from stallwatch.daemon.metrics import DaemonStats, MetricsExporter
+from stallwatch.daemon.metrics import DaemonStats
+from stallwatch.daemon.metrics_export import MetricsExporter
 from stallwatch.daemon.selfusage import SelfUsage, read_self_usage
 
 

@@ -115,7 +115,7 @@ class DaemonConfig(_Strict):
         if v is None:
             return self
         try:
-            from stallwatch.daemon.metrics import check_listen
+            from stallwatch.daemon.metrics_export import check_listen
         except ImportError:  # without the metrics module: the shape only
             port = v.rpartition(":")[2]
             if not port.isdigit() or not 0 <= int(port) < 65536:

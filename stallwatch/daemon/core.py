@@ -452,7 +452,7 @@ class Daemon:
         if not (d.metrics_listen or d.metrics_textfile):
             return
         try:
-            from stallwatch.daemon.metrics import DaemonMetrics
+            from stallwatch.daemon.metrics_export import DaemonMetrics
         except ImportError as e:
             log.warning("metrics are configured but stallwatch.daemon.metrics cannot be loaded: %s", e)
             return
