@@ -28,28 +28,24 @@ went wrong; 3 when the demo cannot run here (io_stall without root, no loop devi
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import logging
 import os
-import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stallwatch.commands.demo_rig import (JOB, DemoUnavailable, LoopFS, device_args, pids_running,
+                                          read_progress)
+from stallwatch.commands.demo_story import DemoStory, Event
 from stallwatch.errors import UsageError
-from stallwatch.kernel.proc import DEAD_STATES, Proc, pids
-from stallwatch.kernel.roots import Absent, Denied
 
 FAULTS = ("hang", "io_stall", "crash", "server_hang")
-JOB = "extract"
 
 NUM_SAMPLES = 48
 FAULT_AT = 16
@@ -61,158 +57,12 @@ DEADLINE_S = 240.0  # the whole demo; a healthy run takes about a minute
 log = logging.getLogger("stallwatch.commands.demo")
 
 
-class DemoUnavailable(Exception):
-    """The demo cannot run this fault here (exit 3)."""
-
-
-# ------------------------------------------------------------------------------ helpers
-
-
-def _run(*argv: str, timeout: float = 30.0) -> str:
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    if r.returncode != 0:
-        raise DemoUnavailable(f"{' '.join(argv)}: {r.stderr.strip() or f'exit {r.returncode}'}")
-    return r.stdout.strip()
-
-
-class LoopFS:
-    """A fresh ext4 image on a loop device, mounted under `base`; freeze/thaw with fsfreeze.
-
-    A safety timer thaws it after `max_frozen_s` whatever happens: a filesystem left frozen
-    hangs every later writer on the machine.
-    """
-
-    TOOLS = ("losetup", "mkfs.ext4", "fsfreeze", "mount", "umount")
-
-    def __init__(self, base: Path, size_mb: int = 32, max_frozen_s: float = 120.0) -> None:
-        self.base = base
-        self.img = base / "outputs.img"
-        self.mnt = base / "mnt"
-        self.size_mb = size_mb
-        self.max_frozen_s = max_frozen_s
-        self.dev: str | None = None
-        self.mounted = False
-        self.frozen = False
-        self._timer: threading.Timer | None = None
-        self._lock = threading.Lock()
-
-    @classmethod
-    def check(cls) -> None:
-        if os.geteuid() != 0:
-            raise DemoUnavailable("--fault io_stall needs root: it loop-mounts an ext4 image and "
-                                  "freezes it with fsfreeze (run it with sudo, or pick another "
-                                  "fault: hang, crash, server_hang)")
-        missing = [t for t in cls.TOOLS if shutil.which(t) is None]
-        if missing:
-            raise DemoUnavailable(f"--fault io_stall needs {', '.join(missing)} "
-                                  "(util-linux, e2fsprogs)")
-
-    def setup(self) -> None:
-        self.mnt.mkdir(parents=True, exist_ok=True)
-        with open(self.img, "wb") as f:
-            f.truncate(self.size_mb << 20)
-        _run("mkfs.ext4", "-q", "-F", str(self.img))
-        self.dev = _run("losetup", "--find", "--show", str(self.img))
-        _run("mount", "-t", "ext4", self.dev, str(self.mnt))
-        self.mounted = True
-
-    def freeze(self) -> None:
-        _run("fsfreeze", "-f", str(self.mnt))
-        with self._lock:
-            self.frozen = True
-        self._timer = threading.Timer(self.max_frozen_s, self.thaw)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def thaw(self) -> None:
-        with self._lock:
-            if not self.frozen:
-                return
-            subprocess.run(["fsfreeze", "-u", str(self.mnt)], capture_output=True, timeout=30)
-            self.frozen = False
-        if self._timer is not None:
-            self._timer.cancel()
-
-    def teardown(self) -> None:
-        self.thaw()
-        if self.mounted:
-            deadline = time.monotonic() + 10.0
-            while subprocess.run(["umount", str(self.mnt)], capture_output=True,
-                                 timeout=30).returncode != 0:
-                if time.monotonic() > deadline:  # a writer still exiting: detach lazily
-                    subprocess.run(["umount", "-l", str(self.mnt)], capture_output=True, timeout=30)
-                    break
-                time.sleep(0.1)
-            self.mounted = False
-        if self.dev:
-            subprocess.run(["losetup", "-d", self.dev], capture_output=True, timeout=30)
-            self.dev = None
-
-
-def _device_args() -> tuple[list[str], str]:
-    """The server's model: torch on the GPU when torch and a GPU are here, else pure Python."""
-    if importlib.util.find_spec("torch") is not None and os.path.exists("/dev/nvidiactl"):
-        return ["--device", "auto", "--hidden-size", "64", "--num-layers", "2"], \
-            "a tiny torch model (on the GPU when torch sees one)"
-    return ["--device", "python", "--hidden-size", "32", "--num-layers", "2"], \
-        "a tiny pure-Python model (no torch, no GPU needed)"
-
-
-_PROGRESS = re.compile(r"(\d+)/(\d+) \[")
-
-
-def read_progress(log_path: Path) -> tuple[int, int] | None:
-    """The last tqdm `N/M [` in the log's tail."""
-    try:
-        with open(log_path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 8192))
-            tail = f.read().decode("utf-8", "replace")
-    except OSError:
-        return None
-    found = _PROGRESS.findall(tail)
-    if not found:
-        return None
-    done, total = found[-1]
-    return int(done), int(total)
-
-
-def _pids_running(module: str, marker: str) -> list[int]:
-    """Live (non-zombie) processes running `python -m module` whose argv names `marker`."""
-    out = []
-    for pid in pids():
-        p = Proc(pid)
-        try:
-            argv = p.argv_bytes()
-            state = p.stat().state
-        except (Absent, Denied, OSError, ValueError):
-            continue
-        if state in DEAD_STATES and p.live_thread() is None:
-            continue  # a zombie leader whose writer thread is still in D is not gone
-        # argv[1:3] == -m module: the client itself, not its wrapper (which names it after --)
-        if len(argv) > 2 and argv[1] == b"-m" and argv[2] == module.encode() \
-                and marker.encode() in b"\0".join(argv):
-            out.append(pid)
-    return sorted(out)
-
-
-def _fmt_s(s: float | None) -> str:
-    return "—" if s is None else f"{s:.1f} s"
-
-
 # ------------------------------------------------------------------------------ the demo
+# What it tells and checks is DemoStory (commands/demo_story.py); its rig, commands/demo_rig.py.
 
 
-@dataclass
-class Event:
-    t: float  # seconds since the demo started
-    what: str
-    text: str
-    detail: list[str] = field(default_factory=list)
 
-
-class Demo:
+class Demo(DemoStory):
     def __init__(self, fault: str = "hang", *, keep: bool = False, console: Any = None,
                  num_samples: int = NUM_SAMPLES, fault_at: int = FAULT_AT,
                  deadline_s: float = DEADLINE_S) -> None:
@@ -264,58 +114,12 @@ class Demo:
         self._restarts: int | None = None
         self.progress_wall_at_detection: float | None = None
 
-    # -- narration ------------------------------------------------------------------------
-
-    def now(self) -> float:
-        return time.monotonic() - self.t0
-
-    def say(self, what: str, text: str, detail: list[str] | tuple[str, ...] = (),
-            style: str = "") -> None:
-        from rich.markup import escape
-
-        ev = Event(round(self.now(), 1), what, text, list(detail))
-        self.events.append(ev)
-        colour = style or {"fault": "bold red", "detect": "bold yellow", "alert": "magenta",
-                           "kill": "red", "validate": "cyan", "quarantine": "bold cyan",
-                           "restart": "green", "resolve": "green", "done": "bold green",
-                           "operator": "bold blue", "problem": "bold red"}.get(what, "")
-        tag = f"[{colour}]{what:<10}[/]" if colour else f"{what:<10}"
-        self.console.print(f"[dim]{ev.t:6.1f}s[/]  {tag} {escape(text)}", highlight=False,
-                           soft_wrap=True)
-        for line in detail:
-            self.console.print(f"{'':19}[dim]·[/] {escape(line)}", highlight=False, soft_wrap=True)
-
     # -- set-up ---------------------------------------------------------------------------
-
-    @property
-    def out(self) -> Path:
-        assert self.dir is not None
-        if self.loopfs is not None:
-            return self.loopfs.mnt / "hidden_states"
-        return self.dir / "hidden_states"
-
-    @property
-    def job_log(self) -> Path:
-        assert self.dir is not None
-        return self.dir / "extract.log"
-
-    @property
-    def alerts_file(self) -> Path:
-        assert self.dir is not None
-        return self.dir / "alerts.jsonl"
-
-    @property
-    def state_dir(self) -> Path:
-        assert self.dir is not None
-        return self.dir / "state"
-
-    def quarantine_dir(self) -> Path:
-        return self.state_dir / "quarantine" / JOB  # the daemon's default, root's side
 
     def _start_server(self) -> None:
         from stallwatch.sglang import launch_server
 
-        dev_args, self.model_text = _device_args()
+        dev_args, self.model_text = device_args()
         args = [*dev_args, "--enable-metrics", "--enable-return-hidden-states",
                 "--forward-delay-s", str(FORWARD_DELAY_S), "--no-access-log"]
         self.server = launch_server(args, log=str(self.dir / "server.log"), die_with_parent=True,
@@ -467,7 +271,7 @@ kill_grace_s = 3
                 return
             if time.time() - self.unkillable_seen < 3.0:
                 return  # show a few seconds of "waiting, no second writer"
-            writers = _pids_running("stallwatch.sglang.extract_client", str(self.out))
+            writers = pids_running("stallwatch.sglang.extract_client", str(self.out))
             runs = self.db.runs(JOB)
             if len(runs) > 1 or len(writers) > 1:
                 self.second_writer = True
@@ -499,11 +303,6 @@ kill_grace_s = 3
 
     def _fault_marker(self) -> Path:
         return self.out / ".stallwatch-fault-fired"
-
-    def _expected_outputs(self) -> set[Path]:
-        from stallwatch.sglang.extract_client import sample_path
-
-        return {sample_path(self.out, i) for i in range(self.n)}
 
     # -- reading the state database ------------------------------------------------------
 
@@ -575,99 +374,6 @@ kill_grace_s = 3
             self.say("fault", f"the client raises RuntimeError before sample {self.fault_at} and "
                               "exits 1 (its traceback goes to the log)")
 
-    def _narrate_detection(self, inc: dict[str, Any]) -> None:
-        try:
-            vd = json.loads(inc["verdict_json"])
-        except ValueError:
-            vd = {}
-        evidence = [f"{e.get('signal')}: {e.get('detail')}" for e in vd.get("evidence", [])]
-        after = ""
-        if self.fault_wall is not None:
-            after = f" {inc['started_at'] - self.fault_wall:.1f} s after the fault"
-        if self.first_incident is None:
-            self.first_incident = inc
-            self.detected_wall = inc["started_at"]
-            self.progress_wall_at_detection = self.last_progress_wall
-        shown = evidence[:4] + [e for e in evidence[4:] if e.startswith("progress:")][:1]
-        self.say("detect", f"verdict {inc['kind']}{after}: {inc['summary']}", shown)
-        if inc["kind"] in ("hang", "io_stall", "server_hang") and self.last_progress_wall:
-            idle = inc["started_at"] - self.last_progress_wall
-            self.console.print(
-                f"{'':19}[dim]({idle:.0f} s after the last progress line: the stall threshold "
-                "of a job this fast is 20 s without progress — the floor; a slower job gets "
-                "5 × its own cadence — then 2 s of confirmation)[/]", highlight=False,
-                soft_wrap=True)
-
-    def _narrate_action(self, a: dict[str, Any]) -> None:
-        what, out = a["what"], a["outcome"]
-        if what == "detect" or what == "start":
-            return
-        if what == "evidence":
-            self.say("evidence", f"evidence bundle: {out.removeprefix('written: ')}"
-                     if out.startswith("written") else f"evidence bundle: {out}")
-        elif what == "kill":
-            if out.startswith("unkillable"):
-                self.unkillable_seen = time.time()
-                self.say("kill", out + " — SIGKILL cannot take a task out of D; stallwatch will "
-                                       "not start a second writer beside it")
-            else:
-                self.say("kill", out)
-        elif what == "wait":
-            self.say("wait", out)
-        elif what == "validate":
-            self.say("validate", out)
-            self._quarantine_from(out)
-        elif what == "restart":
-            self.say("restart", out)
-        elif what == "resolve":
-            self.say("resolve", f"incident {a['incident_id']} resolved: {out}")
-        elif what == "give_up":
-            self.say("problem", out)
-        else:
-            self.say(what, out)
-
-    def _quarantine_from(self, outcome: str) -> None:
-        qdir = self.quarantine_dir()
-        manifest = qdir / "MANIFEST.jsonl"
-        try:
-            lines = manifest.read_text().splitlines()
-        except OSError:
-            lines = []
-        known = {q["path"] for q in self.quarantined}
-        for line in lines:
-            try:
-                doc = json.loads(line)
-            except ValueError:
-                continue
-            dst = str(doc.get("dst") or doc.get("quarantined") or doc.get("to") or "")
-            if not dst or dst in known:
-                continue
-            src = str(doc.get("src") or doc.get("path") or doc.get("from") or "")
-            reason = str(doc.get("reason") or "")
-            self.quarantined.append({"path": dst, "from": src, "reason": reason})
-            self.say("quarantine", f"moved {src} → {dst}: {reason} (moved aside, never deleted, "
-                                   "so the resumed run writes it again)")
-        if not lines and "quarantined 0" in outcome:
-            self.console.print(f"{'':19}[dim](nothing to quarantine: the files written around "
-                               "the failure are whole archives)[/]", highlight=False,
-                               soft_wrap=True)
-
-    def _read_delivered(self) -> None:
-        try:
-            lines = self.alerts_file.read_text().splitlines()
-        except OSError:
-            return
-        for line in lines[self._delivered_lines:]:
-            self._delivered_lines += 1
-            try:
-                doc = json.loads(line)
-            except ValueError:
-                continue
-            self.delivered.append(doc)
-            kind, state = doc.get("kind"), doc.get("state")
-            self.say("alert", f"[{doc.get('severity', '?')}] {kind} {state} — delivered by the "
-                              f"command sink: {doc.get('summary', '')}")
-
     # -- the run ---------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
@@ -726,110 +432,7 @@ kill_grace_s = 3
             self.daemon_thread.join(30)
             self.daemon_thread = None
 
-    # -- checks ----------------------------------------------------------------------------
-
-    def _verify(self) -> None:
-        from stallwatch.actions.filecheck import validate_file
-
-        expected_kind = self.fault
-        inc = self.first_incident
-        if inc is None:
-            self.problems.append(f"no incident: stallwatch never called it {expected_kind}")
-        elif inc["kind"] != expected_kind:
-            self.problems.append(f"the first verdict was {inc['kind']}, expected {expected_kind}")
-        self._restarts = self.restarts()
-        if self.phase != "finished":
-            self.problems.append(f"the job did not finish (phase {self.phase or '?'})")
-        want_restarts = 0 if self.fault == "server_hang" else 1
-        restarts = self._restarts
-        if restarts != want_restarts:
-            self.problems.append(f"{restarts} restart(s), expected {want_restarts}")
-        if self.second_writer:
-            self.problems.append("a second writer was started while the first was stuck in D")
-        if self.fault == "io_stall" and self.unkillable_seen is None:
-            self.problems.append("the kill never said the writer was unkillable in D")
-        if not any(d.get("state") == "firing" and d.get("kind") == expected_kind
-                   for d in self.delivered):
-            self.problems.append(f"no firing {expected_kind} alert reached the terminal sink")
-        # every output present once, each a whole archive; nothing else in the outputs
-        expected = self._expected_outputs()
-        present = {p for p in self.out.rglob("*") if p.is_file() and p.suffix == ".ckpt"}
-        missing = sorted(str(p) for p in expected - present)
-        extra = sorted(str(p) for p in present - expected)
-        broken = []
-        valid = 0
-        for p in sorted(expected & present):
-            r = validate_file(p)
-            if r.ok:
-                valid += 1
-            else:
-                broken.append(f"{p}: {r.reason}")
-        self.outputs_report = {"expected": self.n, "present": len(expected & present),
-                               "valid": valid, "missing": missing, "broken": broken,
-                               "extra": extra}
-        if missing:
-            self.problems.append(f"{len(missing)} output(s) missing, e.g. {missing[0]}")
-        if broken:
-            self.problems.append(f"{len(broken)} broken output(s) left in place, e.g. {broken[0]}")
-        if extra:
-            self.problems.append(f"unexpected files in the outputs, e.g. {extra[0]}")
-        for q in self.quarantined:
-            p = Path(q["path"])
-            if p.exists() and validate_file(p).ok:
-                self.problems.append(f"{p} was quarantined but is a whole archive")
-
-    def restarts(self) -> int:
-        if self._restarts is not None and self.db is None:
-            return self._restarts
-        try:
-            row = self.db.job(JOB) if self.db is not None else None
-        except Exception:  # noqa: BLE001
-            row = None
-        return int(row["restarts"]) if row else 0
-
-    # -- the end ---------------------------------------------------------------------------
-
-    def summary(self) -> dict[str, Any]:
-        inc = self.first_incident
-        vd: dict[str, Any] = {}
-        if inc is not None:
-            try:
-                vd = json.loads(inc["verdict_json"])
-            except ValueError:
-                vd = {}
-        detected_after = None
-        if inc is not None and self.fault_wall is not None:
-            detected_after = round(inc["started_at"] - self.fault_wall, 1)
-        since_progress = None
-        lp = self.progress_wall_at_detection
-        if inc is not None and lp is not None and lp <= inc["started_at"]:
-            since_progress = round(inc["started_at"] - lp, 1)
-        return {
-            "fault": self.fault,
-            "ok": not self.problems,
-            "problems": list(self.problems),
-            "expected_verdict": self.fault,
-            "verdict": inc["kind"] if inc else None,
-            "summary": inc["summary"] if inc else None,
-            "evidence": [f"{e.get('signal')}: {e.get('detail')}" for e in vd.get("evidence", [])],
-            "fault_injected": self.fault_how,
-            "detected_after_s": detected_after,
-            "detected_after_last_progress_s": since_progress,
-            "restarts": self.restarts(),
-            "job_phase": self.phase,
-            "incidents": [{"id": i["id"], "kind": i["kind"], "state": i["state"],
-                           "summary": i["summary"], "note": i["note"]}
-                          for i in self.incidents.values()],
-            "alerts": [{"kind": d.get("kind"), "state": d.get("state"),
-                        "summary": d.get("summary")} for d in self.delivered],
-            "outputs": self.outputs_report,
-            "quarantined": [q["path"] for q in self.quarantined],
-            "quarantine": self.quarantined,
-            "elapsed_s": round(self.now(), 1),
-            "workdir": str(self.dir) if self.keep and self.dir else None,
-            "timeline": [{"t": e.t, "what": e.what, "text": e.text, "detail": e.detail}
-                         for e in self.events],
-        }
+    # -- clean-up --------------------------------------------------------------------------
 
     def _kill_job(self) -> None:
         """Whatever happened, leave no client behind: the daemon leaves jobs running by design."""
@@ -881,35 +484,6 @@ kill_grace_s = 3
             self.loopfs.teardown()
         if self.dir is not None and not self.keep:
             shutil.rmtree(self.dir, ignore_errors=True)
-
-    def render_table(self, doc: dict[str, Any]) -> None:
-        from rich.table import Table
-
-        t = Table(title=f"stallwatch demo: {doc['fault']}", show_header=False, title_justify="left")
-        t.add_column(style="bold")
-        t.add_column()
-        o = doc["outputs"] or {}
-        t.add_row("fault", f"{doc['fault']} ({doc['fault_injected'] or 'not injected'})")
-        t.add_row("verdict", f"{doc['verdict'] or 'none'} (expected {doc['expected_verdict']})")
-        t.add_row("detected after", f"{_fmt_s(doc['detected_after_s'])} from the fault; "
-                                    f"{_fmt_s(doc['detected_after_last_progress_s'])} from the "
-                                    "last progress")
-        t.add_row("alerts", ", ".join(f"{a['kind']} {a['state']}" for a in doc["alerts"]) or "none")
-        t.add_row("restarts", str(doc["restarts"]))
-        t.add_row("outputs valid", f"{o.get('valid', 0)}/{o.get('expected', self.n)}")
-        t.add_row("quarantined", "\n".join(f"{q['path']} ({q['reason']})" for q in doc["quarantine"])
-                  or "none (no broken output)")
-        t.add_row("job", doc["job_phase"] or "?")
-        t.add_row("took", _fmt_s(doc["elapsed_s"]))
-        if doc["workdir"]:
-            t.add_row("kept", doc["workdir"])
-        self.console.print(t)
-        if doc["ok"]:
-            self.console.print("[bold green]OK[/]: everything happened as it should.")
-        else:
-            self.console.print("[bold red]FAILED[/]:")
-            for p in doc["problems"]:
-                self.console.print(f"  - {p}", highlight=False)
 
 
 def run_demo(fault: str = "hang", *, keep: bool = False, json_out: bool = False,
