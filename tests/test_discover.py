@@ -345,7 +345,7 @@ def _host():
 def test_log_through_tee_and_outputs_below_the_named_folder(tmp_path: Path) -> None:
     """stdout into `tee run.log`: the log is the file at the other end of the pipe; the outputs
     are the folder the command line names, not the shard folder the files are in."""
-    from stallwatch.probes.discover import _find_log, _find_outputs
+    from stallwatch.probes.discover_files import _find_outputs, find_log as _find_log
 
     job = tmp_path / "job.py"
     job.write_text(JOB)
@@ -371,7 +371,7 @@ def test_log_through_tee_and_outputs_below_the_named_folder(tmp_path: Path) -> N
 
 
 def test_log_opened_for_append(tmp_path: Path) -> None:
-    from stallwatch.probes.discover import _find_log
+    from stallwatch.probes.discover_files import find_log as _find_log
 
     job = tmp_path / "job.py"
     job.write_text(JOB)

@@ -30,7 +30,6 @@ import json
 import os
 import re
 import sys
-import threading
 import time
 import urllib.request
 from collections import Counter
@@ -42,22 +41,17 @@ from stallwatch.kernel import proc as kproc
 from stallwatch.kernel import procfs
 
 from stallwatch.probes import torchrun
+from stallwatch.probes.discover_files import find_log, log_and_outputs, short
 from stallwatch.errors import UsageError
 from stallwatch.probes.gpu import GpuProbe, gpu_pids
 from stallwatch.kernel.roots import DEFAULT_ROOTS, Absent, Denied, Roots
 from stallwatch.sglang.titles import SERVER_CMDLINE, SGLANG_TITLE
 from stallwatch.probes.targets import Target
 
-__all__ = ["discover", "find_pipeline", "Discovery", "SERVER_CMDLINE"]
-
 # Command lines (or process titles) that are an SGLang server, whatever started them: every
 # title SGLang sets, `sglang.launch_server` and `sglang serve` (stallwatch.sglang.titles).
-LOG_SUFFIXES = (".log", ".txt", ".out")
-OUTPUT_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors", ".npy", ".npz", ".ckpt.gz", ".pt.gz")
-RECENT_S = 600.0  # an output file modified this recently was written by the running job
-WALK_MAX_ENTRIES = 20_000
-WALK_MAX_DEPTH = 4
-WALK_DEADLINE_S = 2.0
+__all__ = ["discover", "find_pipeline", "Discovery", "SERVER_CMDLINE"]
+
 CLIENT_RETRIES = 4  # a client between two requests may hold no connection at this instant
 CLIENT_RETRY_S = 0.4
 _LOCAL = ("127.", "::1", "::ffff:127.")
@@ -236,7 +230,7 @@ def find_pipeline(target: Target, gpu_probe: GpuProbe | None = None, *,
             continue
         text = p.text
         if SERVER_CMDLINE.search(text):
-            why.setdefault(p.pid, f"its command line reads {_short(text)!r}")
+            why.setdefault(p.pid, f"its command line reads {short(text)!r}")
             if SGLANG_TITLE.match(text) and p.ppid in host.procs and p.ppid > 1:
                 parent = host.procs[p.ppid]
                 why.setdefault(parent.pid, f"the parent of {text.split()[0]} (pid {p.pid})")
@@ -287,7 +281,7 @@ def find_pipeline(target: Target, gpu_probe: GpuProbe | None = None, *,
             reasons.append(f"its children are {', '.join(kids)}")
         if gpu_held:
             reasons.append(f"pid(s) {', '.join(map(str, gpu_held))} hold GPU memory (NVML)")
-        notes.append(f"server: pid {root} ({_short(rp.text)}), listening on port {port} "
+        notes.append(f"server: pid {root} ({short(rp.text)}), listening on port {port} "
                      f"(/proc/net/tcp LISTEN, socket held by its tree) → {url}; an SGLang server "
                      f"because {'; '.join(reasons) or why.get(root, '?')}")
         for other in candidates[1:]:
@@ -303,10 +297,10 @@ def find_pipeline(target: Target, gpu_probe: GpuProbe | None = None, *,
                              notes, root, url, ())
         main = clients[0]
         cp = host.procs[main]
-        notes.append(f"client: pid {main} ({_short(cp.text)}): an ESTABLISHED connection to "
+        notes.append(f"client: pid {main} ({short(cp.text)}): an ESTABLISHED connection to "
                      f"port {port}"
                      + (f"; also pids {', '.join(map(str, clients[1:]))}" if clients[1:] else ""))
-        log, outputs = _log_and_outputs(host, main, target, notes)
+        log, outputs = log_and_outputs(host, main, target, notes)
         name = _job_name(cp)
         return Discovery(target.model_copy(update={
             "pids": tuple(clients), "name": name, "server": server,
@@ -324,10 +318,10 @@ def find_pipeline(target: Target, gpu_probe: GpuProbe | None = None, *,
         raise UsageError(f"no target given and {why_not} or SGLang server found: name the job "
                          "with --pid PID or --match REGEX")
     notes.append("GPU processes (NVML): " + ", ".join(
-        f"pid {p} ({_short(host.procs[p].text) if p in host.procs else '?'})" for p in pids))
+        f"pid {p} ({short(host.procs[p].text) if p in host.procs else '?'})" for p in pids))
     log = outputs = None
     if pids[0] in host.procs:
-        log, outputs = _log_and_outputs(host, pids[0], target, notes)
+        log, outputs = log_and_outputs(host, pids[0], target, notes)
     return Discovery(target.model_copy(update={"pids": tuple(pids), "name": "gpu-processes",
                                                "log": target.log or log,
                                                "outputs": target.outputs or outputs}),
@@ -373,16 +367,16 @@ def _torchrun_job(host: _Host, gpu: dict, target: Target, notes: list[str]) -> D
     for w in sorted(workers):
         info = torchrun.read_rank(host.roots, w) if _same_owner(host, L, w) else None
         ranks.append(f"rank {info.rank} pid {w}" if info else f"pid {w}")
-    notes.append(f"torchrun job: agent pid {L} ({_short(lp.text)}) with {len(workers)} worker(s): "
+    notes.append(f"torchrun job: agent pid {L} ({short(lp.text)}) with {len(workers)} worker(s): "
                  f"{', '.join(ranks) or 'none yet'}"
                  + (f"; pid(s) {', '.join(map(str, held))} hold GPU memory (NVML)" if held else "")
                  + "; one job (its ranks' ports are their own gloo mesh, not a server)")
     for other in pick[1:]:
         notes.append(f"also a torchrun job: agent pid {other}: not chosen; name it with --pid")
     main = workers[0] if workers else L
-    log, outputs = _log_and_outputs(host, main, target, notes)
+    log, outputs = log_and_outputs(host, main, target, notes)
     if log is None and target.log is None and main != L:
-        found, how = _find_log(host, L)
+        found, how = find_log(host, L)
         if found:
             log = Path(found)
             notes.append(f"log: {found} (the agent's: {how})")
@@ -494,162 +488,6 @@ def _clients(host: _Host, root: int, port: int) -> list[int]:
     return []
 
 
-# -------------------------------------------------------------------------- log and outputs
-
-
-def _regular(path: str) -> bool:
-    if not path.startswith("/") or path.startswith(("/dev/", "/proc/", "/sys/")) \
-            or path.endswith(" (deleted)"):
-        return False
-    try:
-        return os.path.isfile(path)
-    except OSError:
-        return False
-
-
-def _find_log(host: _Host, pid: int) -> tuple[str | None, str]:
-    fds = host.fds(pid)
-    for fd, what in ((2, "stderr"), (1, "stdout")):
-        link = fds.get(fd, "")
-        if _regular(link):
-            return link, f"its {what} (fd {fd}) is that file"
-    for fd, link in sorted(fds.items()):
-        if fd > 2 and _regular(link) and link.endswith(LOG_SUFFIXES):
-            flags = host.fd_flags(pid, fd)
-            if flags is not None and procfs.opened_for_write(flags):
-                return link, f"it has it open for {'append' if flags & os.O_APPEND else 'writing'} (fd {fd})"
-    # stdout/stderr into a pipe: the process reading the other end (tee) writes the log
-    for fd in (2, 1):
-        link = fds.get(fd, "")
-        if not link.startswith("pipe:"):
-            continue
-        for other in host.procs:
-            if other == pid or host.is_stallwatch(other):
-                continue
-            ofds = host.fds(other)
-            if link not in ofds.values() or ofds.get(1) == link or ofds.get(2) == link:
-                continue  # not a reader of this pipe (or another writer)
-            for ofd, olink in sorted(ofds.items()):
-                if ofd > 2 and _regular(olink):
-                    flags = host.fd_flags(other, ofd)
-                    if flags is not None and procfs.opened_for_write(flags):
-                        return olink, (f"its fd {fd} is a pipe read by pid {other} "
-                                       f"({_short(host.procs[other].text)}), which writes that file")
-    return None, ""
-
-
-def _named_dirs(argv: tuple[str, ...], cwd: str | None) -> list[str]:
-    """Existing folders the command line names (`--out DIR`, `--out=DIR`, `DIR`)."""
-    out: list[str] = []
-    for a in argv[1:]:
-        val = a.split("=", 1)[1] if a.startswith("-") and "=" in a else a
-        if not val or val.startswith("-"):
-            continue
-        path = val if os.path.isabs(val) else (os.path.join(cwd, val) if cwd else None)
-        if path and path not in ("/",) and os.path.isdir(path):
-            out.append(os.path.normpath(path))
-    return list(dict.fromkeys(out))
-
-
-def _walk_outputs(roots: list[str], since: float, deadline_s: float) -> tuple[Counter, bool]:
-    """Folders of recent output files under `roots` (bounded; in a thread with a deadline)."""
-    counts: Counter = Counter()
-    lock = threading.Lock()
-    done = threading.Event()
-
-    def walk() -> None:
-        budget = WALK_MAX_ENTRIES
-        seen: set[str] = set()
-        for top in roots:
-            stack = [(top, 0)]
-            while stack and budget > 0:
-                d, depth = stack.pop()
-                if d in seen or d.endswith(".quarantine"):
-                    continue
-                seen.add(d)
-                try:
-                    with os.scandir(d) as it:
-                        for e in it:
-                            budget -= 1
-                            if budget <= 0:
-                                break
-                            try:
-                                if e.is_dir(follow_symlinks=False):
-                                    if depth < WALK_MAX_DEPTH and not e.name.startswith("."):
-                                        stack.append((e.path, depth + 1))
-                                elif e.name.endswith(OUTPUT_SUFFIXES) and \
-                                        e.stat(follow_symlinks=False).st_mtime >= since:
-                                    with lock:
-                                        counts[d] += 1
-                            except OSError:
-                                continue
-                except OSError:
-                    continue
-        done.set()
-
-    t = threading.Thread(target=walk, name="discover-outputs", daemon=True)
-    t.start()
-    finished = done.wait(deadline_s)
-    with lock:  # a walk past its deadline goes on in its thread: take what it found so far
-        return Counter(counts), finished
-
-
-def _find_outputs(host: _Host, pid: int, log: str | None) -> tuple[str | None, str]:
-    p = host.procs[pid]
-    cwd = host.cwd(pid)
-    counts: Counter = Counter()
-    how = ""
-    for fd, link in host.fds(pid).items():
-        if fd <= 2 or link == log or not _regular(link):
-            continue
-        flags = host.fd_flags(pid, fd)
-        if flags is not None and procfs.opened_for_write(flags) and not link.endswith(LOG_SUFFIXES):
-            counts[os.path.dirname(link)] += 1
-    if counts:
-        how = "it has files open for writing there"
-    named = _named_dirs(p.cmdline, cwd)
-    if not counts:
-        walk_roots = named + ([cwd] if cwd and cwd != "/" and cwd not in named else [])
-        counts, finished = _walk_outputs(walk_roots, time.time() - RECENT_S, WALK_DEADLINE_S)
-        if counts:
-            how = f"{sum(counts.values())} output file(s) ({'/'.join('*' + s for s in OUTPUT_SUFFIXES[:3])}...) " \
-                  f"modified in the last {RECENT_S / 60:g} minutes"
-        elif not finished:
-            return None, (f"looking for its outputs under {', '.join(walk_roots)} did not "
-                          f"finish within {WALK_DEADLINE_S:g} s")
-    if not counts:
-        return None, ""
-    best = counts.most_common(1)[0][0]
-    # Shard folders (rows_0-2000/) below a folder the command line names: that folder.
-    for d in sorted(named, key=len):
-        if best == d or best.startswith(d.rstrip("/") + "/"):
-            if best != d:
-                how += f", in folders below {d}, which its command line names"
-            return d, how
-    return best, how
-
-
-def _log_and_outputs(host: _Host, pid: int, target: Target,
-                     notes: list[str]) -> tuple[Path | None, Path | None]:
-    log = outputs = None
-    if target.log is None:
-        found, how = _find_log(host, pid)
-        if found:
-            log = Path(found)
-            notes.append(f"log: {found} ({how})")
-        else:
-            notes.append(f"log: none found for pid {pid} (stdout/stderr are not files; pass --log)")
-    if target.outputs is None:
-        found, how = _find_outputs(host, pid, str(log or target.log or ""))
-        if found:
-            outputs = Path(found)
-            notes.append(f"outputs: {found} ({how})")
-        else:
-            notes.append(f"outputs: none found for pid {pid}" + (f" ({how})" if how else
-                                                                   " (pass --outputs)"))
-    return log, outputs
-
-
 def _job_name(p: Proc) -> str:
     for a in p.cmdline[1:4]:
         if a.endswith(".py"):
@@ -658,7 +496,3 @@ def _job_name(p: Proc) -> str:
         if a == "-m":
             return re.sub(r"[^A-Za-z0-9_.-]", "_", p.cmdline[i + 1].rsplit(".", 1)[-1])[:64]
     return re.sub(r"[^A-Za-z0-9_.-]", "_", p.comm)[:64] or "job"
-
-
-def _short(text: str, n: int = 120) -> str:
-    return text if len(text) <= n else text[: n - 1] + "…"
