@@ -2,8 +2,9 @@
 
 The daemon hands the exporter (daemon/metrics_export.py) its *latest views* once per tick
 (`MetricsExporter.update`): one `JobView` per configured job and one `DaemonView`, defined here.
-A custom collector renders every scrape from those views only (`families`, here), so a job that disappears from the list disappears from the output at once — no
-stale series linger, nothing is ever `.remove()`d by hand. The exporter has its own
+A custom collector renders every scrape from those views only (`families`, here), so a job
+that disappears from the list disappears from the output at once — no stale series linger,
+nothing is ever `.remove()`d by hand. The exporter has its own
 `CollectorRegistry` (never prometheus_client's global one), so importing stallwatch into another
 program adds nothing to that program's metrics, and two exporters in one process (tests) do not
 collide.
