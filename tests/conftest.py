@@ -33,6 +33,6 @@ def _reap_what_the_test_started(request):
         return
     marker = str(request.getfixturevalue("tmp_path")) + os.sep  # torn down before our teardown
     yield
-    from fleetkit import kill_naming
+    from rigs import kill_naming
 
     kill_naming(marker)

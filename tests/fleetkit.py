@@ -1,8 +1,7 @@
 """Pieces the many-node end-to-end tests share (tests/test_fleet_e2e.py, tests/test_slurm_e2e.py):
 a webhook receiver that records every delivery with its arrival time, a stallwatch launcher
-that runs this checkout, service processes that always die in teardown, and the sweep that
-kills every process of a test by a marker in its command line (supervised jobs run in their
-own sessions on purpose, so stopping a daemon leaves them running).
+that runs this checkout, and service processes that always die in teardown (the sweep that
+kills what a test left running is rigs.kill_naming).
 
 Import as `from fleetkit import ...` (pytest puts tests/ on sys.path).
 """
@@ -176,29 +175,3 @@ def dashboard_panels(dash: dict) -> list[dict]:
 
     walk(dash["panels"])
     return out
-
-
-def pids_naming(marker: str) -> list[int]:
-    """Live processes whose command line contains `marker` (a test's unique temp path)."""
-    out = []
-    me = os.getpid()
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == me:
-            continue
-        try:
-            argv = Path(f"/proc/{name}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if marker.encode() in argv:
-            out.append(int(name))
-    return out
-
-
-def kill_naming(marker: str) -> None:
-    """SIGCONT (a stopped process cannot die) then SIGKILL to every process naming `marker`."""
-    for sig in (signal.SIGCONT, signal.SIGKILL):
-        for pid in pids_naming(marker):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass

@@ -83,6 +83,56 @@ def thread_ids(pid: int) -> list[int]:
     return sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
 
 
+@dataclass(frozen=True)
+class LiveProcess:
+    pid: int
+    ppid: int
+    state: str  # the leader's state letter: "Z" only for a zombie leader with a live thread
+    argv: tuple[bytes, ...]
+
+
+def _threads_alive(pid: int) -> bool:
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    return any(task_state(pid, int(t)) not in (None, "Z", "X") for t in tids)
+
+
+def live_processes(marker: str) -> list[LiveProcess]:
+    """Every live process but this one whose command line names `marker` (a test's unique temp
+    path), by pid. A zombie is gone, except a zombie leader with a thread still alive (a writer
+    thread in D outlives its main thread): its files are still open, so it still counts."""
+    want, me, out = os.fsencode(marker), os.getpid(), []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
+            if want not in cmdline:
+                continue
+            stat = Path(f"/proc/{name}/stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        state, ppid = stat[stat.rfind(")") + 2:].split()[:2]
+        if state in "ZX" and not _threads_alive(int(name)):
+            continue
+        out.append(LiveProcess(int(name), int(ppid), state, tuple(cmdline.split(b"\0")[:-1])))
+    return sorted(out, key=lambda p: p.pid)
+
+
+def kill_naming(marker: str) -> None:
+    """SIGCONT (a stopped process cannot die) then SIGKILL to every process naming `marker`.
+    Supervised jobs run in sessions of their own on purpose (a daemon's death never kills its
+    job), so this is how a test leaves nothing of its own behind."""
+    for sig in (signal.SIGCONT, signal.SIGKILL):
+        for p in live_processes(marker):
+            try:
+                os.kill(p.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
 # ---------------------------------------------------------------------------------- processes
 
 

@@ -29,7 +29,7 @@ import pytest
 
 from stallwatch.actions.filecheck import validate_file
 
-from rigs import query_state
+from rigs import live_processes, query_state
 
 ROOT = Path(__file__).resolve().parents[1]
 WRITER = ROOT / "tests" / "jobs" / "pt_writer.py"
@@ -66,22 +66,9 @@ def fast_rules(dest: Path) -> Path:
 
 def scan_writers(marker: str) -> list[tuple[int, str]]:
     """(pid, state) of every live pt_writer process whose command line names `marker`."""
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
-            stat = Path(f"/proc/{name}/stat").read_text()
-        except OSError:
-            continue
-        state = stat[stat.rfind(")") + 2]
-        if state in "ZX":
-            continue
-        # argv[1]: the writer itself, not its wrapper (which names it after `--`)
-        if len(argv) > 1 and argv[1].endswith(b"pt_writer.py") and marker.encode() in b" ".join(argv):
-            out.append((int(name), state))
-    return out
+    # argv[1]: the writer itself, not its wrapper (which names it after `--`)
+    return [(p.pid, p.state) for p in live_processes(marker)
+            if len(p.argv) > 1 and p.argv[1].endswith(b"pt_writer.py")]
 
 
 class Harness:

@@ -33,9 +33,8 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from fleetkit import (ROOT, Services, WebhookReceiver, dashboard_panels, free_port, kill_naming,
-                      stallwatch_exe)
-from rigs import wait_until
+from fleetkit import ROOT, Services, WebhookReceiver, dashboard_panels, free_port, stallwatch_exe
+from rigs import kill_naming, wait_until
 
 yaml = pytest.importorskip("yaml")
 

@@ -27,8 +27,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from fleetkit import ROOT, Services, WebhookReceiver, free_port, kill_naming, stallwatch_exe
-from rigs import wait_until
+from fleetkit import ROOT, Services, WebhookReceiver, free_port, stallwatch_exe
+from rigs import kill_naming, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 

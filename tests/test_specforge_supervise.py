@@ -25,6 +25,7 @@ pytest.importorskip("tqdm", reason="needs tqdm (a test dependency)")
 import torch
 
 from stallwatch.actions.filecheck import validate_file
+from rigs import live_processes
 from test_daemon_live import Harness, fast_rules
 
 pytestmark = pytest.mark.slow
@@ -37,20 +38,10 @@ def job_processes(marker: str) -> list[tuple[int, int, bool]]:
     """(pid, ppid, is_agent) of every live process of this test's job (its command line names
     `marker`, the outputs folder)."""
     out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
-            stat = Path(f"/proc/{name}/stat").read_text()
-        except OSError:
-            continue
-        rest = stat[stat.rfind(")") + 2:].split()
-        if rest[0] in "ZX" or marker.encode() not in b" ".join(argv):
-            continue
-        agent = argv[1:3] == [b"-m", b"torch.distributed.run"]  # not the daemon's wrapper
-        if agent or any(a.endswith(b"specforge_job.py") for a in argv[1:3]):
-            out.append((int(name), int(rest[1]), agent))
+    for p in live_processes(marker):
+        agent = list(p.argv[1:3]) == [b"-m", b"torch.distributed.run"]  # not the daemon's wrapper
+        if agent or any(a.endswith(b"specforge_job.py") for a in p.argv[1:3]):
+            out.append((p.pid, p.ppid, agent))
     return out
 
 
