@@ -36,3 +36,28 @@ def _reap_what_the_test_started(request):
     from rigs import kill_naming
 
     kill_naming(marker)
+
+
+@pytest.fixture
+def receiver_factory():
+    """Make loopback alert receivers (alertkit.Receiver, optionally with a reply script); all
+    closed after the test."""
+    from alertkit import Receiver
+
+    made: list[Receiver] = []
+
+    def make(script=None) -> Receiver:
+        made.append(Receiver(script))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()
+
+
+@pytest.fixture
+def webhook(receiver_factory):
+    """(url, bodies): a receiver for a daemon's `[[alert]] type = "webhook"`, and the JSON of
+    every alert it has received so far (a live list)."""
+    rx = receiver_factory()
+    return rx.url("/hook"), rx.bodies

@@ -9,19 +9,17 @@ Import as `from fleetkit import ...` (pytest puts tests/ on sys.path).
 from __future__ import annotations
 
 import ctypes
-import http.server
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from collections.abc import Callable
+
+from alertkit import Receiver, Recorded
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,59 +47,35 @@ class Delivery:
     body: dict[str, Any]
 
 
-@dataclass
-class WebhookReceiver:
-    """HTTP POSTs recorded as they come: Alertmanager's webhook_configs and stallwatch's own
-    webhook sink both post JSON."""
-    deliveries: list[Delivery] = field(default_factory=list)
-    arrived: threading.Condition = field(default_factory=threading.Condition)
+class WebhookReceiver(Receiver):
+    """The suite's receiver as Alertmanager's webhook_configs and stallwatch's own webhook sink
+    see it: JSON deliveries, by receiver name (the URL path), with their arrival times."""
 
-    def __post_init__(self) -> None:
-        rx = self
+    @staticmethod
+    def _delivery(r: Recorded) -> Delivery:
+        try:
+            body = r.json()
+        except ValueError:
+            body = {"raw": r.body.decode(errors="replace")}
+        return Delivery(r.wall, r.path.strip("/"), body)
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # http.server's name
-                n = int(self.headers.get("Content-Length") or 0)
-                raw = self.rfile.read(n)
-                try:
-                    body = json.loads(raw)
-                except ValueError:
-                    body = {"raw": raw.decode(errors="replace")}
-                self.send_response(200)
-                self.end_headers()
-                with rx.arrived:
-                    rx.deliveries.append(Delivery(time.time(), self.path.strip("/"), body))
-                    rx.arrived.notify_all()
-
-            def log_message(self, *a: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, name="webhook", daemon=True).start()
+    @property
+    def deliveries(self) -> list[Delivery]:
+        with self.cond:
+            return [self._delivery(r) for r in self.requests]
 
     def url(self, name: str = "") -> str:
-        return f"http://127.0.0.1:{self.port}/{name}"
+        return super().url(f"/{name}")
 
     def wait(self, match: Callable[[Delivery], bool], timeout: float, what: str) -> Delivery:
         """The first delivery that matches, waiting on arrivals (no polling sleep)."""
-        deadline = time.monotonic() + timeout
-        with self.arrived:
-            while True:
-                hit = next((d for d in self.deliveries if match(d)), None)
-                if hit is not None:
-                    return hit
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    got = [(d.path, d.body.get("status"), d.body.get("groupLabels"))
-                           for d in self.deliveries]
-                    raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}; "
-                                       f"deliveries so far: {got}")
-                self.arrived.wait(left)
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        try:
+            return self._delivery(super().wait(lambda r: match(self._delivery(r)), timeout, what))
+        except TimeoutError as e:
+            got = [(d.path, d.body.get("status"), d.body.get("groupLabels"))
+                   for d in self.deliveries]
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}; "
+                               f"deliveries so far: {got}") from e
 
 
 class Services:

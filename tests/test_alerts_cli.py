@@ -13,7 +13,7 @@ import pytest
 from stallwatch.alerts.redact import REDACTOR
 from stallwatch.commands.cli import main
 
-from test_alerts_http import SLACK_PATH, Reply, receiver_factory  # noqa: F401
+from alertkit import SLACK_PATH, Reply
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from test_alerts_http import FAST, dispatcher, event, wait_stats  # noqa: F401
+from alertkit import FAST, deliver, dispatcher, event
 
 RECORDER = textwrap.dedent("""
     import json, os, sys
@@ -37,14 +37,8 @@ def recorder(tmp_path: Path) -> Path:
 
 def test_command_gets_env_and_json_on_stdin(tmp_path: Path, recorder: Path) -> None:
     out = tmp_path / "got.json"
-    d = dispatcher([{"type": "command", "argv": [sys.executable, str(recorder), str(out), "$HOME; rm -rf /"],
-                     "env": {"EXTRA": "yes"}}])
-    try:
-        d.submit(event(cause="oom_kill"))
-        assert d.flush(10)
-        st = d.status()["sinks"][0]
-    finally:
-        d.close()
+    st = deliver([{"type": "command", "argv": [sys.executable, str(recorder), str(out), "$HOME; rm -rf /"],
+                   "env": {"EXTRA": "yes"}}], event(cause="oom_kill"))["sinks"][0]
     assert st["sent"] == 1, st
     doc = json.loads(out.read_text())
     assert doc["argv"][1] == "$HOME; rm -rf /"  # no shell: passed verbatim
@@ -81,27 +75,15 @@ def test_command_exit_75_is_retried(tmp_path: Path) -> None:
         open(p, "a").write("x")
         sys.exit(75 if n < 2 else 0)
     """))
-    d = dispatcher([{"type": "command", "argv": [sys.executable, str(script)], **FAST}])
-    try:
-        d.submit(event())
-        assert d.flush(10)
-        st = d.status()["sinks"][0]
-    finally:
-        d.close()
+    st = deliver([{"type": "command", "argv": [sys.executable, str(script)], **FAST}])["sinks"][0]
     assert marker.read_text() == "xxx"
     assert st["sent"] == 1 and st["retries"] == 2
 
 
 def test_command_failure_reports_stderr(tmp_path: Path) -> None:
-    d = dispatcher([{"type": "command", "argv": [sys.executable, "-c",
-                     "import sys; sys.stderr.write('curl: (6) Could not resolve host\\n'); sys.exit(6)"],
-                     **FAST}])
-    try:
-        d.submit(event())
-        assert d.flush(10)
-        st = d.status()["sinks"][0]
-    finally:
-        d.close()
+    st = deliver([{"type": "command", "argv": [sys.executable, "-c",
+                   "import sys; sys.stderr.write('curl: (6) Could not resolve host\\n'); sys.exit(6)"],
+                   **FAST}])["sinks"][0]
     assert st["failed"] == 1 and st["retries"] == 0
     prog = os.path.basename(sys.executable)
     assert st["last_error"] == f"command {prog} failed: exit status 6: curl: (6) Could not resolve host"
@@ -142,12 +124,6 @@ def test_command_timeout_kills_the_group(tmp_path: Path) -> None:
 
 
 def test_missing_program_fails_permanently() -> None:
-    d = dispatcher([{"type": "command", "argv": ["/nonexistent/notify-me"], **FAST}])
-    try:
-        d.submit(event())
-        assert d.flush(10)
-        st = d.status()["sinks"][0]
-    finally:
-        d.close()
+    st = deliver([{"type": "command", "argv": ["/nonexistent/notify-me"], **FAST}])["sinks"][0]
     assert st["failed"] == 1 and st["retries"] == 0
     assert st["last_error"] == "command: /nonexistent/notify-me: no such program"

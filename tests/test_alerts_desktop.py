@@ -29,7 +29,7 @@ import pytest
 from stallwatch.alerts.config import parse_alerts
 from stallwatch.alerts.desktop import Agent, DesktopSink, Spool, notify, render
 
-from test_alerts_http import dispatcher, event
+from alertkit import deliver, dispatcher, event
 
 if not shutil.which("dbus-daemon"):
     pytest.skip("dbus-daemon is not installed (apt-get install dbus): no session bus to test on",
@@ -214,13 +214,7 @@ def test_gdbus_fallback(notifications, bus_address) -> None:
 def test_no_notification_server_is_a_retryable_failure(bus_address, monkeypatch) -> None:
     # a bus without the notification service (the agent waits and retries the same way)
     monkeypatch.setenv("DBUS_SESSION_BUS_ADDRESS", "unix:path=/nonexistent/bus")
-    d = dispatcher([{"type": "desktop", "max_attempts": 2, "retry_initial_s": 0.05}])
-    try:
-        d.submit(event())
-        assert d.flush(10)
-        st = d.status()["sinks"][0]
-    finally:
-        d.close()
+    st = deliver([{"type": "desktop", "max_attempts": 2, "retry_initial_s": 0.05}])["sinks"][0]
     assert st["failed"] == 1 and st["retries"] == 1
     assert st["last_error"].startswith("desktop: cannot connect to the session bus")
 
@@ -354,13 +348,7 @@ def test_state_dir_the_user_cannot_traverse_is_reported(public_dir: Path) -> Non
     state = public_dir / "state"
     state.mkdir()
     os.chmod(state, 0o700)  # StateDirectoryMode=0700
-    d = dispatcher([{"type": "desktop", "user": "nobody"}], state_dir=str(state))
-    try:
-        d.submit(event())
-        assert d.flush(5)
-        st = d.status()["sinks"][0]
-    finally:
-        d.close()
+    st = deliver([{"type": "desktop", "user": "nobody"}], state_dir=str(state), flush_s=5)["sinks"][0]
     assert st["failed"] == 1
     assert st["last_error"].startswith(f"desktop: nobody cannot reach {state}/desktop/nobody: "
                                        f"{state} is mode 0700.")
@@ -372,13 +360,7 @@ def test_root_without_user_or_bus_is_a_config_problem(monkeypatch) -> None:
     monkeypatch.delenv("DBUS_SESSION_BUS_ADDRESS", raising=False)
     if Path("/run/user/0/bus").exists():
         pytest.skip("root has a session bus here")
-    d = dispatcher([{"type": "desktop"}])
-    try:
-        d.submit(event())
-        assert d.flush(5)
-        st = d.status()["sinks"][0]
-    finally:
-        d.close()
+    st = deliver([{"type": "desktop"}], flush_s=5)["sinks"][0]
     assert st["failed"] == 1
     assert 'name the desktop\'s user (user = "alice")' in st["last_error"]
 

@@ -12,7 +12,7 @@ import time
 from stallwatch.alerts import AlertDispatcher, parse_alerts
 from stallwatch.clock import FakeClock
 
-from test_alerts_http import FAST, Reply, dispatcher, event, receiver_factory, wait_stats  # noqa: F401
+from alertkit import Reply, dispatcher, event, wait_stats
 
 
 def kinds_states(reqs) -> list[tuple]:

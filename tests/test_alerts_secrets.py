@@ -19,8 +19,7 @@ import pytest
 from stallwatch.alerts.redact import REDACTOR, RedactingFilter, redact, redact_traceback, register_secret
 from stallwatch.commands.cli import main
 
-from test_alerts_http import (FAST, SECRET_TOKEN, SLACK_PATH, Reply, dispatcher, event,  # noqa: F401
-                              receiver_factory)
+from alertkit import FAST, SECRET_TOKEN, SLACK_PATH, Reply, dispatcher, event
 
 HEADER_SECRET = "hdr-SECRET-0123456789"
 

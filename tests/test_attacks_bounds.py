@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import pytest
 from attackrig import MODES, OTHER, AttackRig
 from rigs import rmdir_cgroup
-from test_alerts_http import Receiver
+from alertkit import Receiver
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 

@@ -9,7 +9,6 @@ run on the default rules.
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import re
@@ -22,7 +21,7 @@ import threading
 import time
 import zipfile
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 from collections.abc import Callable
 
 import pytest
@@ -227,36 +226,6 @@ def h(tmp_path: Path):
         yield harness
     finally:
         harness.cleanup()
-
-
-class Hook(http.server.BaseHTTPRequestHandler):
-    """A webhook receiver: every POSTed JSON object lands in `events`."""
-
-    events: ClassVar[list[dict[str, Any]]] = []
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        type(self).events.append(json.loads(body))
-        self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
-@pytest.fixture
-def webhook():
-    class H(Hook):
-        events: ClassVar[list[dict[str, Any]]] = []
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}/hook", H.events
-    finally:
-        srv.shutdown()
-        srv.server_close()
 
 
 # ----------------------------------------------------------------------------------- tests

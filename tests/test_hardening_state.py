@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_daemon_live import WRITER, Harness, h, scan_writers, wait_for, webhook  # noqa: F401
+from test_daemon_live import WRITER, Harness, h, scan_writers, wait_for  # noqa: F401 - h: a fixture
 
 from stallwatch.daemon.state import DB_NAME, StateDB
 

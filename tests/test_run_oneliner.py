@@ -31,7 +31,7 @@ import pytest
 
 from stallwatch.engine.history import from_docs, sparkline_text, sparklines
 from rigs import query_state
-from test_alerts_http import SLACK_PATH, receiver_factory  # noqa: F401 - a fixture
+from alertkit import SLACK_PATH
 from test_daemon_live import fast_rules, scan_writers
 
 ROOT = Path(__file__).resolve().parents[1]

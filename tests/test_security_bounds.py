@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_alerts_http import SLACK_PATH, dispatcher, event, receiver_factory  # noqa: F401
+from alertkit import SLACK_PATH, dispatcher, event
 
 from stallwatch.alerts.slack import slack_message
 
