@@ -1,0 +1,332 @@
+"""The job as variables: its exit, its processes and threads, its ranks, its client connection
+to the server (features.py assembles the parts)."""
+
+from __future__ import annotations
+
+import signal as _signal
+from typing import Any
+
+from stallwatch.probes.processes import ProcessObs, ThreadObs
+from stallwatch.probes.snapshot import Snapshot
+from stallwatch.engine.features_text import _ranges
+
+
+WAIT_SYSCALLS = {"recvfrom", "recvmsg", "recvmmsg", "read", "readv", "poll", "ppoll", "select",
+                 "pselect6", "epoll_wait", "epoll_pwait", "epoll_pwait2", "futex"}
+SOCKET_READ_SYSCALLS = {"recvfrom", "recvmsg", "recvmmsg", "read", "readv"}
+
+
+# ------------------------------------------------------------------------------------- the job
+
+def _job(snap: Snapshot, procs: list[ProcessObs]) -> dict[str, Any]:
+    po = snap.processes
+    targets = [p for p in procs if p.role == "target"]
+    live = [p for p in targets if p.state not in ("Z", "X")]
+    exits = [e for e in (po.exited if po else ()) if e.role == "target"]
+    zombies = [p for p in targets if p.state == "Z"]
+    # A pid the user named that no longer exists is a job that has exited: diagnose it from
+    # what outlives a process (the log, the kernel's OOM line, the outputs).
+    missing = list(po.missing) if po else []
+    main = targets[0] if targets else None
+    codes = [e.returncode for e in exits if e.returncode is not None]
+    codes += [p.exit_code for p in zombies if p.exit_code is not None]  # readable until reaped
+    ever_seen = bool(targets or exits or missing)
+    exited = ever_seen and not live
+    rc = None
+    if codes:
+        bad = [c for c in codes if c != 0]
+        rc = bad[0] if bad else 0
+    last = exits[-1] if exits else None
+    pid = main.pid if main else (last.pid if last else (missing[0] if missing else -1))
+    return {
+        "name": snap.target.name,
+        "seen": ever_seen,
+        "alive": bool(live),
+        "exited": exited,
+        "exit_known": rc is not None,
+        "exit_code": rc if rc is not None and rc >= 0 else -1,
+        "signal": -rc if rc is not None and rc < 0 else 0,
+        "signal_name": _signame(-rc) if rc is not None and rc < 0 else "",
+        "exited_for_s": last.exited_for_s if last else 0.0,
+        "exited_pids": [e.pid for e in exits] + missing,
+        "stopped": bool(live) and all(p.state in ("T", "t") for p in live),
+        "pid": pid,
+        "pids": [p.pid for p in procs],
+        "comm": main.comm if main else _last_name(exits, missing),
+        "cmdline": main.cmdline if main else ((last.cmdline or "") if last else ""),
+        "missing": missing,
+        "reused": list(po.reused) if po else [],
+    }
+
+
+def _last_name(exits: list, missing: list[int]) -> str:
+    """The name the job's process was last known by once it is gone: the latest exit that
+    carries one (a waitpid report of a process no tick saw has none of its own), else "the
+    job", so that a crash never reads "crash:  (pid N)"."""
+    named = [e.comm for e in exits if e.comm]
+    return named[-1] if named else ("the job" if exits or missing else "")
+
+
+def _signame(n: int) -> str:
+    try:
+        return _signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
+
+
+# ----------------------------------------------------------------------------- processes/threads
+
+def _thread_dict(p: ProcessObs, t: ThreadObs) -> dict[str, Any]:
+    return {
+        "pid": p.pid, "tid": t.tid, "comm": t.comm, "state": t.state,
+        "d_state_for_s": t.d_state_for_s, "state_since_s": t.state_since_s,
+        "ctx_unchanged_for_s": t.ctx_unchanged_for_s,
+        "quiet_s": _quiet(t.ctx_unchanged_for_s, t.last_ran_age_s),
+        "wchan": t.wchan or "", "syscall": t.syscall or "", "file": t.syscall_file or "",
+        "stack": " ← ".join((t.stack or ())[:6]),
+    }
+
+
+def _quiet(ctx_unchanged_for_s: float, last_ran_age_s: float | None) -> float:
+    """How long the task has not run: what we watched, or what the scheduler remembers."""
+    return max(ctx_unchanged_for_s, last_ran_age_s or 0.0)
+
+
+def _proc(procs: list[ProcessObs], threads: list[tuple[ProcessObs, ThreadObs]]) -> dict[str, Any]:
+    states: dict[str, int] = {}
+    for _, t in threads:
+        states[t.state] = states.get(t.state, 0) + 1
+    d = [(p, t) for p, t in threads if t.state == "D"]
+    def stuck(pt: tuple[ProcessObs, ThreadObs]) -> float:
+        return _quiet(pt[1].ctx_unchanged_for_s, pt[1].last_ran_age_s)
+
+    worst = max(d, key=stuck, default=None)
+    # torchrun's agent polls its workers every few seconds (its I/O counters and threads move
+    # while every rank is stuck): what it does is supervision, not the job's work.
+    workers = [p for p in procs if not p.launcher] or procs
+    io_known = [p.io_unchanged_for_s for p in workers if p.io_unchanged_for_s is not None]
+    cpu = [p.cpu_util for p in procs if p.cpu_util is not None]
+    live = [p for p in workers if p.state not in ("Z", "X")]
+    tracked = min((p.tracked_for_s for p in live), default=0.0)
+    # The tree is quiet when no thread of it has run: a lower bound from the scheduler works
+    # in a one-shot diagnosis, where we have watched for a few seconds only.
+    quiet = min((_quiet(p.ctx_unchanged_for_s, p.last_ran_age_s) for p in live), default=0.0)
+    main = next(((p, t) for p, t in threads if p.role == "target" and t.tid == p.pid), None)
+    spin = spinning(threads)
+    return {
+        "count": len(procs),
+        "threads": len(threads),
+        "states": states,
+        "states_text": ", ".join(f"{n} {s}" for s, n in sorted(states.items(), key=lambda kv: -kv[1])),
+        "main": _thread_dict(*main) if main else _thread_dict_empty(),
+        "running": states.get("R", 0),
+        "spinning": len(spin),
+        "spin_list": spin,
+        "d_threads": len(d),
+        "d_max_s": worst[1].d_state_for_s if worst else 0.0,
+        "d": _thread_dict(*worst) if worst else _thread_dict_empty(),
+        "d_list": [_thread_dict(p, t) for p, t in sorted(d, key=stuck, reverse=True)],
+        "d_stuck_s": max((min(t.d_state_for_s, t.ctx_unchanged_for_s) for _, t in d), default=0.0),
+        # A thread in D does not run: the scheduler's last-run age is how long it has been stuck,
+        # even before we started watching.
+        "d_quiet_s": stuck(worst) if worst else 0.0,
+        "io_known": bool(io_known),
+        "io_unchanged_s": min(io_known) if io_known else -1.0,
+        "cpu_util": sum(cpu),
+        "cpu_known": bool(cpu),
+        "quiet_s": quiet,
+        "tracked_s": tracked,
+        "rss_bytes": sum(p.rss_bytes or 0 for p in procs),
+        "list": [{"pid": p.pid, "ppid": p.ppid, "state": p.state, "comm": p.comm,
+                  "wchan": p.wchan or "", "threads": p.num_threads, "role": p.role}
+                 for p in procs],
+    }
+
+
+# A thread runnable in every sample of at least this long a stretch, never switching out by
+# itself, is spinning. Two samples at diagnose's 0.75 s interval; the daemon ticks slower.
+SPIN_MIN_S = 1.0
+
+
+def spinning(threads: list[tuple[ProcessObs, ThreadObs]]) -> list[dict[str, Any]]:
+    """Threads that never left the run queue while watched (probes/runqueue.py), longest first.
+    Judged by runnability, not by the CPU share the scheduler happened to give them."""
+    out = []
+    for p, t in threads:
+        rq = t.runqueue
+        # R in every sample and no voluntary switch (it never blocked) is the kernel's word that
+        # it never left the run queue; the schedstat shares are evidence, not a gate: they are
+        # timed against our clock, which a loaded node delays.
+        if rq is None or rq.samples < 2 or rq.runnable_for_s < SPIN_MIN_S:
+            continue
+        cpu, wait = rq.cpu_share or 0.0, rq.wait_share
+        user = rq.user_share
+        out.append({
+            "pid": p.pid, "tid": t.tid, "comm": t.comm, "runnable_s": rq.runnable_for_s,
+            "samples": rq.samples, "cpu_pct": round(cpu * 100.0),
+            "wait_pct": round(wait * 100.0) if wait is not None else -1,
+            "user_pct": round(user * 100.0) if user is not None else -1,
+            "text": (f"tid {t.tid} ({t.comm}) runnable in all {rq.samples} samples over "
+                     f"{rq.runnable_for_s:.1f} s with no voluntary context switch: it never left "
+                     f"the run queue; it got {cpu * 100.0:.0f}% of a core"
+                     + (f" and waited for a CPU {wait * 100.0:.0f}% of the time" if wait is not None
+                        else "")
+                     + (f", {user * 100.0:.0f}% of it in user space" if user is not None else "")),
+        })
+    out.sort(key=lambda d: -d["runnable_s"])
+    return out
+
+
+def _thread_dict_empty() -> dict[str, Any]:
+    return {"pid": -1, "tid": -1, "comm": "", "state": "", "d_state_for_s": 0.0,
+            "state_since_s": 0.0, "ctx_unchanged_for_s": 0.0, "quiet_s": 0.0, "wchan": "",
+            "syscall": "", "file": "", "stack": ""}
+
+
+def _job_ranks(procs: list[ProcessObs], logv: dict[str, Any], who: str) -> dict[str, Any]:
+    """A torchrun job: the agent and its ranks (torchrun.py), and the rank that holds the others
+    up. Each rank says what it does; the culprit is the one with the strongest sign of its own
+    trouble (stopped, in D, spinning, a file open half-written while asleep, its bar stopped);
+    the others wait in the collective, or at the barrier once their bar is done."""
+    ranked = sorted((p for p in procs if p.rank is not None), key=lambda p: p.rank.rank)
+    launcher = next((p for p in procs if p.launcher), None)
+    out: dict[str, Any] = {"torchrun": launcher is not None, "launcher_pid": launcher.pid if launcher else -1,
+                           "ranks": [], "ranks_text": "", "culprit": False, "culprit_pid": -1,
+                           "culprit_rank": -1, "culprit_text": "", "who": who}
+    if not ranked:
+        return out
+    world = ranked[0].rank.world_size or len(ranked)
+    bars = {b["position"]: b for b in logv.get("bars", [])}
+    tp = world // len(bars) if bars and world % len(bars) == 0 else 1
+    log_path = logv.get("path", "")
+    rows = []
+    # never left the run queue (probes/runqueue.py): spinning whatever share of a core it got;
+    # when every rank does (NCCL busy-waits), nobody stands out
+    runnable = {p.pid: _runnable_s(p) for p in ranked}
+    lone = sum(1 for v in runnable.values() if v) < len(ranked)
+    for p in ranked:
+        r = p.rank.rank
+        bar = bars.get(r // tp) if r % tp == 0 else None
+        others = max(((o.cpu_util or 0.0) for o in ranked if o is not p), default=0.0)
+        score, what = _rank_trouble(p, log_path, others, runnable[p.pid] if lone else 0.0)
+        if score == 0 and logv.get("bar_stalled") and bar is not None \
+                and bar["position"] == logv["bar_stalled_position"]:
+            score, what = 2, f"its bar stopped at {bar['text']}"
+        if score == 0:
+            what = ("finished its bar and waits at the barrier" if bar is not None and bar["complete"]
+                    else "waits in the collective")
+        rows.append({"rank": r, "local_rank": p.rank.local_rank if p.rank.local_rank is not None else -1,
+                     "pid": p.pid, "state": p.state, "cpu_pct": round((p.cpu_util or 0.0) * 100.0),
+                     "score": score, "what": what})
+    out["ranks"] = rows
+    top = max(rows, key=lambda x: x["score"])
+    if top["score"] > 0:
+        rest = [x for x in rows if x is not top]
+        by_what: dict[str, list[int]] = {}
+        for x in rest:
+            by_what.setdefault(x["what"], []).append(x["rank"])
+        others = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranges(rs)} "
+                           f"{_plural(w) if len(rs) > 1 else w}" for w, rs in by_what.items())
+        out.update(culprit=True, culprit_pid=top["pid"], culprit_rank=top["rank"],
+                   who=f"rank {top['rank']} (pid {top['pid']}) of the torchrun job",
+                   culprit_text=f"rank {top['rank']} (pid {top['pid']}) {top['what']}"
+                                + (f"; {others}" if others else ""))
+    out["ranks_text"] = ", ".join(f"rank {x['rank']} pid {x['pid']} {x['state']}" for x in rows)
+    return out
+
+
+def _plural(what: str) -> str:
+    """'finished its bar and waits at the barrier' → 'finished their bars and wait at the barrier'."""
+    words = {"waits": "wait", "has": "have", "holds": "hold", "spins": "spin", "is": "are",
+             "its": "their", "bar": "bars"}
+    return " ".join(words.get(w, w) for w in what.split(" "))
+
+
+# A rank that burns CPU while its siblings sleep spins: relative, never an absolute share (on a
+# loaded host a busy loop gets a fraction of a core; gloo waits sleep at ~0 %). NCCL busy-waits
+# make every waiting rank hot: then nobody stands out, and nobody is called spinning.
+SPIN_MIN_CPU = 0.1
+SPIN_OVER_OTHERS = 5.0
+
+
+def _runnable_s(p: ProcessObs) -> float:
+    """How long its longest-runnable thread never left the run queue (0: none did)."""
+    return max((t.runqueue.runnable_for_s for t in p.threads if t.runqueue is not None
+                and t.runqueue.samples >= 2 and t.runqueue.runnable_for_s >= SPIN_MIN_S),
+               default=0.0)
+
+
+def _rank_trouble(p: ProcessObs, log_path: str, others_cpu: float,
+                  runnable_s: float = 0.0) -> tuple[int, str]:
+    threads = p.threads
+    if p.state in ("T", "t"):
+        return 6, "is stopped (SIGSTOP or a debugger)"
+    if p.state == "Z":
+        return 5, "has exited and was not reaped"
+    d = [t for t in threads if t.state == "D"]
+    if d:
+        t = d[0]
+        on = f" on {t.syscall_file}" if t.syscall_file else ""
+        return 5, f"has {len(d)} thread(s) in D (wchan {t.wchan or '?'}, syscall {t.syscall or '?'}{on})"
+    cpu = p.cpu_util or 0.0
+    if runnable_s:
+        return 4, (f"spins at {round(cpu * 100)} % of a core (a thread never left the run queue "
+                   f"for {runnable_s:.0f} s)")
+    if cpu >= SPIN_MIN_CPU and cpu >= SPIN_OVER_OTHERS * others_cpu and any(t.state == "R" for t in threads):
+        return 4, f"spins at {round(cpu * 100)} % of a core"
+    writing = [f for f in p.open_files if f.write and f.fd > 2 and f.path.startswith("/")
+               and not f.path.startswith(("/dev/", "/proc/", "/sys/")) and f.path != log_path
+               and not f.path.endswith((".log", ".txt", ".out"))]
+    if writing and all(t.state == "S" for t in threads):
+        f = writing[0]
+        futex = sum(1 for t in threads if t.syscall == "futex")
+        lock = f" ({futex} in futex waits: a lock or a condition)" if futex else ""
+        return 3, (f"holds {f.path} open for writing, half-written ({f.pos_bytes} bytes), "
+                   f"and every thread sleeps{lock}")
+    return 0, ""
+
+
+def _client(procs: list[ProcessObs], threads: list[tuple[ProcessObs, ThreadObs]],
+            port: int | None) -> dict[str, Any]:
+    """Is the job waiting on the server? A thread blocked reading a socket to its port is proof;
+    an open connection to it while every thread sleeps in poll/epoll is strong circumstance."""
+    out = {"connected": False, "waiting": False, "blocked": False, "how": "", "pid": -1, "tid": -1,
+           "syscall": "", "remote": "", "quiet_s": 0.0}
+    if port is None:
+        return out
+    by_fd: dict[tuple[int, int], str] = {}
+    for p in procs:
+        for s in p.tcp:
+            if s.remote_port == port and s.state == "ESTABLISHED":
+                by_fd[(p.pid, s.fd)] = f"{s.remote_addr}:{s.remote_port}"
+    if not by_fd:
+        return out
+    out["connected"] = True
+    for p, t in threads:
+        if t.syscall in SOCKET_READ_SYSCALLS and (p.pid, t.syscall_fd) in by_fd:
+            out.update(waiting=True, blocked=True, how="blocked reading the server socket", pid=p.pid, tid=t.tid,
+                       syscall=t.syscall, remote=by_fd[(p.pid, t.syscall_fd)],
+                       quiet_s=_quiet(t.ctx_unchanged_for_s, t.last_ran_age_s))
+            return out
+    connected = [p for p in procs if any(k[0] == p.pid for k in by_fd)]
+    sleeping = [t for p in connected for t in p.threads]
+    if sleeping and all(t.state == "S" and (t.syscall or "") in WAIT_SYSCALLS for t in sleeping):
+        p = connected[0]
+        t = p.threads[0]
+        out.update(waiting=True, how="connected to the server, every thread asleep in a wait",
+                   pid=p.pid, tid=t.tid, syscall=t.syscall or "",
+                   remote=next(v for k, v in by_fd.items() if k[0] == p.pid),
+                   quiet_s=min(_quiet(t.ctx_unchanged_for_s, t.last_ran_age_s) for t in sleeping))
+    return out
+
+
+def _port_of(url: str | None) -> int | None:
+    if not url:
+        return None
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(url)
+        return u.port or (443 if u.scheme == "https" else 80)
+    except ValueError:
+        return None
