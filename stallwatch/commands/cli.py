@@ -7,7 +7,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -107,11 +107,13 @@ def record(
     out: Annotated[Path, typer.Option("--out", help="Trace file to write (JSON Lines).")],
     pid: PidOpt = [], match: MatchOpt = None, log: LogOpt = None, progress_regex: RegexOpt = None,
     outputs: OutputsOpt = None, server: ServerOpt = None, server_log: ServerLogOpt = None,
-    duration: Annotated[Optional[float], typer.Option("--duration", help="Seconds to record; default until interrupted.")] = None,
+    duration: Annotated[float | None, typer.Option(
+        "--duration", help="Seconds to record; default until interrupted.")] = None,
     interval: Annotated[float, typer.Option("--interval", help="Seconds between snapshots.")] = 1.0,
-    note: Annotated[Optional[str], typer.Option("--note", help="Free text stored in the trace header.")] = None,
-    config: Annotated[Optional[Path], typer.Option("--config", help="Record a job of this daemon config instead of flags.")] = None,
-    job: Annotated[Optional[str], typer.Option("--job", help="With --config: which [[job]] (default: the first).")] = None,
+    note: Annotated[str | None, typer.Option("--note", help="Free text stored in the trace header.")] = None,
+    config: Annotated[Path | None, typer.Option(
+        "--config", help="Record a job of this daemon config instead of flags.")] = None,
+    job: Annotated[str | None, typer.Option("--job", help="With --config: which [[job]] (default: the first).")] = None,
 ) -> None:
     """The flight recorder: one snapshot per interval into a JSON Lines trace (.gz: compressed)."""
     from stallwatch.probes.collector import Collector
@@ -200,7 +202,8 @@ def replay(
 
 
 @rules_app.command("check")
-def rules_check(paths: Annotated[list[Path], typer.Argument(help="Rule files or directories; default: the built-in rules.")] = []) -> int:
+def rules_check(paths: Annotated[list[Path], typer.Argument(
+    help="Rule files or directories; default: the built-in rules.")] = []) -> int:
     """Validate rule files: every problem as file:line:column: problem."""
     from stallwatch.engine import diagnose as dg
     from stallwatch.engine import check_paths
@@ -242,9 +245,11 @@ app.add_typer(alert_app, name="alert")
 
 @alert_app.command("test")
 def alert_test(
-    config: Annotated[Optional[Path], typer.Option("--config", help="The daemon's config file; default $STALLWATCH_CONFIG or /etc/stallwatch.toml.")] = None,
+    config: Annotated[Path | None, typer.Option(
+        "--config", help="The daemon's config file; default $STALLWATCH_CONFIG or /etc/stallwatch.toml.")] = None,
     sink: Annotated[list[str], typer.Option("--sink", help="Only the alert sink of this name (repeatable).")] = [],
-    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for every sink, retries included.")] = 30.0,
+    timeout: Annotated[float, typer.Option(
+        "--timeout", help="Seconds to wait for every sink, retries included.")] = 30.0,
     json_out: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
 ) -> int:
     """Send a sample io_stall alert (marked test) through every configured sink.
@@ -291,7 +296,8 @@ def alert_test(
         if ok:
             error = None
         elif not finished and (s["retrying"] or s["queued"] or not s["failed"]):
-            error = f"not delivered within {timeout:g} s" + (f" (last error: {s['last_error']})" if s["last_error"] else "")
+            error = (f"not delivered within {timeout:g} s"
+                     + (f" (last error: {s['last_error']})" if s["last_error"] else ""))
         else:
             error = s["last_error"] or "not delivered"
         results.append({"name": s["name"], "type": s["type"], "target": s["target"], "ok": ok,
@@ -312,10 +318,14 @@ app.command()(watch)
 
 @app.command()
 def status(
-    config: Annotated[Optional[Path], typer.Option("--config", help="The daemon's config file; default $STALLWATCH_CONFIG or /etc/stallwatch.toml when it exists.")] = None,
-    state_dir: Annotated[Optional[Path], typer.Option("--state-dir", help="Read this state directory instead of the config's.")] = None,
+    config: Annotated[Path | None, typer.Option(
+        "--config", help="The daemon's config file; default $STALLWATCH_CONFIG or /etc/stallwatch.toml when it "
+        "exists.")] = None,
+    state_dir: Annotated[Path | None, typer.Option(
+        "--state-dir", help="Read this state directory instead of the config's.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
-    watch_: Annotated[bool, typer.Option("--watch", help="A live table, refreshed in place until Ctrl-C (as `stallwatch top`).")] = False,
+    watch_: Annotated[bool, typer.Option(
+        "--watch", help="A live table, refreshed in place until Ctrl-C (as `stallwatch top`).")] = False,
     every: Annotated[float, typer.Option("--every", help="With --watch: seconds between refreshes.")] = 1.0,
 ) -> int:
     """Each job's current verdict, restarts and incidents, from the daemon's state database.
@@ -371,8 +381,11 @@ def _status_source(config: Path | None, state_dir: Path | None) -> tuple[Path, l
 
 @app.command()
 def top(
-    config: Annotated[Optional[Path], typer.Option("--config", help="The daemon's config file; default $STALLWATCH_CONFIG or /etc/stallwatch.toml when it exists.")] = None,
-    state_dir: Annotated[Optional[Path], typer.Option("--state-dir", help="Read this state directory instead of the config's.")] = None,
+    config: Annotated[Path | None, typer.Option(
+        "--config", help="The daemon's config file; default $STALLWATCH_CONFIG or /etc/stallwatch.toml when it "
+        "exists.")] = None,
+    state_dir: Annotated[Path | None, typer.Option(
+        "--state-dir", help="Read this state directory instead of the config's.")] = None,
     every: Annotated[float, typer.Option("--every", help="Seconds between refreshes.")] = 1.0,
 ) -> int:
     """Every job of a running daemon in a live table, refreshed in place (Ctrl-C to quit)."""
@@ -407,9 +420,13 @@ def top(
 @app.command()
 def demo(
     fault: Annotated[str, typer.Option("--fault", help="hang, io_stall (needs root), crash or server_hang.")] = "hang",
-    keep: Annotated[bool, typer.Option("--keep", help="Keep the temporary directory (config, logs, state, outputs).")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Narrate on stderr; print the summary as JSON on stdout.")] = False,
-    pipeline: Annotated[str, typer.Option("--pipeline", help="http (an SGLang-protocol server and its client) or torchrun (SpecForge's shape: 3 ranks on CPU; hang or crash; needs torch).")] = "http",
+    keep: Annotated[bool, typer.Option(
+        "--keep", help="Keep the temporary directory (config, logs, state, outputs).")] = False,
+    json_out: Annotated[bool, typer.Option(
+        "--json", help="Narrate on stderr; print the summary as JSON on stdout.")] = False,
+    pipeline: Annotated[str, typer.Option(
+        "--pipeline", help="http (an SGLang-protocol server and its client) or torchrun (SpecForge's shape: 3 ranks on "
+        "CPU; hang or crash; needs torch).")] = "http",
 ) -> int:
     """A built-in pipeline (SGLang-protocol server + extraction client, or a torchrun job shaped
     like SpecForge's), supervised, with a fault injected: detection, alert, kill, quarantine,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -18,20 +18,27 @@ from stallwatch.errors import UsageError
 
 
 def run(
-    command: Annotated[Optional[list[str]], typer.Argument(help="The job: COMMAND [ARGS]... (after --).", show_default=False)] = None,
-    config: Annotated[Optional[Path], typer.Option("--config", help="The daemon's config file (TOML).")] = None,
+    command: Annotated[list[str] | None, typer.Argument(
+        help="The job: COMMAND [ARGS]... (after --).", show_default=False)] = None,
+    config: Annotated[Path | None, typer.Option("--config", help="The daemon's config file (TOML).")] = None,
     name: JobName = None, log: LogOpt = None, outputs: OutputsOpt = None, server: ServerOpt = None,
     progress_regex: RegexOpt = None,
-    restart: Annotated[str, typer.Option("--restart", help="no, or on-failure: kill and resume on crash, hang, io_stall.")] = "no",
-    max_restarts: Annotated[Optional[int], typer.Option("--max-restarts", help="Then give up (default 3).")] = None,
+    restart: Annotated[str, typer.Option(
+        "--restart", help="no, or on-failure: kill and resume on crash, hang, io_stall.")] = "no",
+    max_restarts: Annotated[int | None, typer.Option("--max-restarts", help="Then give up (default 3).")] = None,
     alert: AlertOpt = [], state_dir: StateDirOpt = None, rules: RulesOpt = [],
     interval: IntervalOpt = None, startup_grace: GraceOpt = None, print_config: PrintOpt = False,
     tee: TeeOpt = None,
-    restart_backoff: Annotated[Optional[float], typer.Option("--restart-backoff", help="Seconds before the first restart, doubling after (default 5).")] = None,
-    user: Annotated[Optional[str], typer.Option("--user", help="Run the job as this user (root only); its log is opened as that user.")] = None,
-    group: Annotated[Optional[str], typer.Option("--group", help="With --user: the job's group (default: the user's).")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Watch and alert, but never kill, quarantine or restart anything.")] = False,
-    log_level: Annotated[Optional[str], typer.Option("--log-level", help="debug, info, warning or error (default: the config's).")] = None,
+    restart_backoff: Annotated[float | None, typer.Option(
+        "--restart-backoff", help="Seconds before the first restart, doubling after (default 5).")] = None,
+    user: Annotated[str | None, typer.Option(
+        "--user", help="Run the job as this user (root only); its log is opened as that user.")] = None,
+    group: Annotated[str | None, typer.Option(
+        "--group", help="With --user: the job's group (default: the user's).")] = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Watch and alert, but never kill, quarantine or restart anything.")] = False,
+    log_level: Annotated[str | None, typer.Option(
+        "--log-level", help="debug, info, warning or error (default: the config's).")] = None,
 ) -> int:
     """Supervise COMMAND in the foreground (stallwatch run -- CMD), or run a config's daemon.
 
@@ -125,15 +132,20 @@ def _oneliner_toml(command: list[str], *, name, log, outputs, server, progress_r
 
 
 def watch(
-    pid: Annotated[Optional[int], typer.Option("--pid", help="Process id of the job.")] = None,
+    pid: Annotated[int | None, typer.Option("--pid", help="Process id of the job.")] = None,
     match: MatchOpt = None, name: JobName = None, log: LogOpt = None, outputs: OutputsOpt = None,
     server: ServerOpt = None, progress_regex: RegexOpt = None, alert: AlertOpt = [],
     state_dir: StateDirOpt = None, rules: RulesOpt = [], interval: IntervalOpt = None,
     print_config: PrintOpt = False,
-    restart_command: Annotated[Optional[str], typer.Option("--restart-command", help="On crash, hang or io_stall: kill the watched job's tree, check --outputs, run this (split like a shell, never run by one) and supervise it from then on.")] = None,
-    max_restarts: Annotated[Optional[int], typer.Option("--max-restarts", help="With --restart-command: then give up (default 3).")] = None,
+    restart_command: Annotated[str | None, typer.Option(
+        "--restart-command", help="On crash, hang or io_stall: kill the watched job's tree, check --outputs, run this "
+        "(split like a shell, never run by one) and supervise it from then on.")] = None,
+    max_restarts: Annotated[int | None, typer.Option(
+        "--max-restarts", help="With --restart-command: then give up (default 3).")] = None,
     startup_grace: GraceOpt = None,
-    restart_backoff: Annotated[Optional[float], typer.Option("--restart-backoff", help="With --restart-command: seconds before the first restart, doubling after (default 5).")] = None,
+    restart_backoff: Annotated[float | None, typer.Option(
+        "--restart-backoff", help="With --restart-command: seconds before the first restart, doubling after (default "
+        "5).")] = None,
 ) -> int:
     """Watch a job stallwatch did not start: the live view and alerts; kills only with --restart-command.
 

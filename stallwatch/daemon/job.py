@@ -71,7 +71,7 @@ def verdict_doc(v: Verdict, at: float | None = None) -> dict[str, Any]:
 
 
 class JobRunner:
-    def __init__(self, daemon: "Daemon", cfg: JobConfig, rules: RuleSet) -> None:
+    def __init__(self, daemon: Daemon, cfg: JobConfig, rules: RuleSet) -> None:
         self.daemon = daemon
         self.cfg = cfg
         self.name = cfg.name

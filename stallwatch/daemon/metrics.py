@@ -441,7 +441,7 @@ def _daemon_families(d: DaemonView) -> list[Metric]:
     if d.tick_histogram is not None:
         h = d.tick_histogram
         buckets, acc = [], 0
-        for b, n in zip(h.bounds, h.counts):
+        for b, n in zip(h.bounds, h.counts, strict=False):  # counts' last is the +Inf bucket, below
             acc += n
             buckets.append((_le(b), float(acc)))
         buckets.append(("+Inf", float(h.count)))
