@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import posixpath
 import select
+import time
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -30,6 +31,13 @@ from stallwatch.kernel.roots import DEFAULT_ROOTS, Absent, Denied, Roots
 
 SHM_PREFIXES = ("sgl_shm",)  # SGLang's leaked sgl_shm_mm_* segments filled /dev/shm (#40723)
 _SHM_LIST_LIMIT = 100_000  # a runaway leak must not turn one listing into a memory problem
+# /dev/shm is listed again only when its mtime moved (an entry created, removed or renamed), or
+# it holds SGLang segments (their sizes change without touching the directory), or this long
+# passed (issue 17: the listing was most of the disks probe's filesystem work). A listing taken
+# within SHM_RACY_NS of the directory's mtime is not trusted: a later change in the same
+# timestamp tick would leave the mtime where it was.
+SHM_RELIST_S = 30.0
+SHM_RACY_NS = 1_000_000_000
 DEVICE_TTL_S = 60.0  # a mount's block device (loop backing file, dm name, slaves) is re-read this often
 
 
@@ -140,6 +148,8 @@ class DisksProbe:
         self._devices: dict[MountInfo, tuple[BlockDeviceRef | None, float]] = {}
         self._prev: dict[str, tuple[DiskStat, float]] = {}
         self._stuck_since: dict[str, float] = {}
+        # /dev/shm's (dev, ino, mtime_ns), when it was listed (wall ns) and what it held.
+        self._shm_seen: tuple[tuple[int, int, int], int, tuple[int, int, int]] | None = None
 
     # -- the tick ------------------------------------------------------------------------------
 
@@ -292,8 +302,22 @@ class DisksProbe:
                 if parent == probe_at:
                     raise
                 probe_at = parent
-        shm = _count_shm(resolved) if is_shm and exists else None
+        shm = self._shm_counts(resolved) if is_shm and exists else None
         return _FsFacts(resolved=probe_at if not exists else resolved, exists=exists, st=st, shm=shm)
+
+    def _shm_counts(self, path: str) -> tuple[int, int, int]:
+        """_count_shm, or its last answer while nothing in the directory can have changed. Only
+        the /dev/shm worker thread calls it (one worker per path)."""
+        st = os.stat(path)
+        ident, now_ns = (st.st_dev, st.st_ino, st.st_mtime_ns), time.time_ns()
+        seen = self._shm_seen
+        if (seen is not None and seen[0] == ident and seen[2][1] == 0
+                and now_ns - seen[1] < SHM_RELIST_S * 1e9):
+            return seen[2]
+        counts = _count_shm(path)
+        trusted = now_ns - st.st_mtime_ns >= SHM_RACY_NS
+        self._shm_seen = (ident, now_ns, counts) if trusted else None
+        return counts
 
     def _path_entry(self, path: str, kind: str, call: _Call, mounts: list[MountInfo],
                     tick_start: float, now: float) -> PathUsage:
