@@ -115,3 +115,56 @@ def test_dev_shm_is_listed_again_only_when_it_can_have_changed(tmp_path: Path, m
     segments()
     assert len(listed) == 6
     probe.close()
+
+
+def test_a_hot_output_closed_after_writing_is_restated_at_the_slow_cadence(tmp_path: Path,
+                                                                           monkeypatch) -> None:
+    from stallwatch.clock import FakeClock
+    from stallwatch.probes import outputs as outputs_mod
+
+    out = tmp_path / "out"
+    out.mkdir()
+    clock = FakeClock(monotonic=1000.0, wall=time.time())
+    probe = outputs_mod.OutputsProbe(out, clock=clock)
+    stats: list[str] = []
+    real = outputs_mod.os.lstat
+    monkeypatch.setattr(outputs_mod.os, "lstat",
+                        lambda p, *a, **kw: stats.append(os.path.basename(p)) or real(p, *a, **kw))
+
+    def collect_until(cond) -> outputs_mod.OutputsObs:
+        deadline = time.monotonic() + 10
+        while True:
+            o = probe.collect()
+            if cond(o):
+                return o
+            assert time.monotonic() < deadline, o
+            time.sleep(0.01)
+
+    try:
+        probe.collect()
+        (out / "done.bin").write_bytes(b"x" * 10)  # written and closed
+        kept = open(out / "open.bin", "wb")  # noqa: SIM115 - kept open across collects
+        kept.write(b"y" * 5)
+        kept.flush()
+        collect_until(lambda o: o.total_bytes == 15)
+        stats.clear()
+        for _ in range(4):
+            clock.advance(1.0)
+            probe.collect()
+        # The file being written: every tick; the closed one: not within HOT_SLOW_EVERY_S.
+        assert stats.count("open.bin") == 4 and stats.count("done.bin") == 0, stats
+        # Written again in place with no event we listen to (opened, never closed yet): seen
+        # at the slow cadence, and fresh again from then on.
+        again = open(out / "done.bin", "ab")  # noqa: SIM115
+        again.write(b"z" * 90)
+        again.flush()
+        clock.advance(outputs_mod.HOT_SLOW_EVERY_S)
+        assert probe.collect().total_bytes == 105
+        stats.clear()
+        clock.advance(1.0)
+        probe.collect()
+        assert stats.count("done.bin") == 1
+        again.close()
+        kept.close()
+    finally:
+        probe.close()

@@ -52,6 +52,7 @@ class InotifyWatch:
         self.lost = False  # since the last drain: the caller must reconcile
         self.error: str | None = None  # the last watch that could not be added
         self.root_gone = False
+        self.closed: list[str] = []  # files closed after writing since the last drain
         self._wd: dict[int, str] = {}
         lib = _lib()
         fd = lib.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -144,6 +145,8 @@ class InotifyWatch:
                 continue
             path = os.path.join(base, os.fsdecode(raw)) if raw else base
             out.append(path)
+            if mask & IN_CLOSE_WRITE and not mask & IN_ISDIR:
+                self.closed.append(path)
             if mask & IN_ISDIR and mask & (IN_CREATE | IN_MOVED_TO):
                 self._add_tree(path, out)
 

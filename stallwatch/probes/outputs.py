@@ -211,6 +211,11 @@ class OutputsProbe:
         self._recent: OrderedDict[str, None] = OrderedDict()
         self._hot: OrderedDict[str, float] = OrderedDict()
         self._hot_checked: dict[str, float] = {}  # hot file -> when last re-stat'ed
+        # Hot files closed after writing (inotify's IN_CLOSE_WRITE) since they last changed: a
+        # writer must open them again to change them, so they are re-stat'ed at the slower
+        # cadence, not every tick (issue 17: a job writing 5 files a second kept ~50 fresh).
+        self._closed: set[str] = set()
+        self._just_closed: list[str] = []
         self._initial = True  # the next reconciliation learns history: no "changes", no "new"
 
     def _dir(self, rel: str) -> _Dir:
@@ -246,8 +251,11 @@ class OutputsProbe:
     def _heat(self, rel: str, now: float) -> None:
         self._hot[rel] = now
         self._hot.move_to_end(rel)
+        self._closed.discard(rel)
         while len(self._hot) > self.max_hot:
-            self._hot_checked.pop(self._hot.popitem(last=False)[0], None)
+            cold = self._hot.popitem(last=False)[0]
+            self._hot_checked.pop(cold, None)
+            self._closed.discard(cold)
 
     def _drop(self, dirrel: str, name: str, now: float) -> bool:
         d = self._dirs.get(dirrel)
@@ -260,6 +268,7 @@ class OutputsProbe:
         self._recent.pop(rel, None)
         self._hot.pop(rel, None)
         self._hot_checked.pop(rel, None)
+        self._closed.discard(rel)
         if self._newest and self._newest[1] == rel:
             self._newest_stale = True
         self._last_change = now
@@ -443,8 +452,10 @@ class OutputsProbe:
             if now - t > self.hot_window_s:
                 del self._hot[rel]
                 checked.pop(rel, None)
+                self._closed.discard(rel)
                 continue
-            if now - t >= HOT_FRESH_S and now - checked.get(rel, t) < HOT_SLOW_EVERY_S:
+            if (now - t >= HOT_FRESH_S or rel in self._closed) \
+                    and now - checked.get(rel, t) < HOT_SLOW_EVERY_S:
                 continue
             checked[rel] = now
             dirrel, name = _split(rel)
@@ -490,6 +501,8 @@ class OutputsProbe:
         paths = w.drain()
         if paths:
             self._enqueue(*paths)
+        closed, w.closed = w.closed, []
+        self._just_closed.extend(closed)
         lost, w.lost = w.lost, False
         if w.error:
             self._watch_error = w.error
@@ -545,6 +558,12 @@ class OutputsProbe:
         elif now - self._sweep_started >= period:
             self._reconcile(now, full=False, phase=phase, sliced=True)
         self._apply_events(now)
+        for p in self._just_closed:  # after their events' lstat: that is their closed state
+            rel = os.path.relpath(p, self._base).replace(os.sep, "/")
+            if rel in self._hot:
+                self._closed.add(rel)
+                self._hot_checked[rel] = now
+        self._just_closed.clear()
         self._restat_hot(now)
         return self._obs(now, ProbeStatus.ok, None)
 
