@@ -37,16 +37,13 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Iterator
 
+from stallwatch.daemon.state_conn import _Conn, _degrading
 from stallwatch.errors import UsageError
 
 DB_NAME = "stallwatch.db"
 SCHEMA_VERSION = 1
 
 log = logging.getLogger("stallwatch.daemon.state")
-
-# A write that fails with one of these is the file's trouble, not the statement's: the disk is
-# full, another process holds the write lock, the filesystem went read-only or failed.
-_DEGRADING = ("full", "locked", "busy", "disk i/o", "readonly", "read-only", "unable to open")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (
@@ -126,107 +123,6 @@ CREATE TABLE IF NOT EXISTS alert_events (
     event_json    TEXT NOT NULL
 );
 """
-
-
-def _degrading(e: BaseException) -> bool:
-    return isinstance(e, sqlite3.OperationalError) and any(w in str(e).lower() for w in _DEGRADING)
-
-
-class _Conn:
-    """The database connection, with a way out when the file cannot be written.
-
-    A watchdog must keep watching when its own state cannot be saved (a full disk, a lock held by
-    another process, a filesystem gone read-only). On the first write that fails for such a
-    reason, the committed state is copied into an in-memory database, the transaction under way
-    is replayed there, and the daemon goes on from memory (`degraded` says why). `write_back`
-    copies the memory back to the file once it can be written, and the file is used again.
-    """
-
-    def __init__(self, file_conn: sqlite3.Connection) -> None:
-        self.file = file_conn
-        self.active = file_conn
-        self.mem: sqlite3.Connection | None = None
-        self.degraded: str | None = None
-        self.degraded_at: float | None = None
-        self._stmts: list[tuple[str, tuple]] | None = None  # the current transaction's writes
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.active, name)
-
-    def execute(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
-        head = sql.lstrip()[:8].upper()
-        try:
-            cur = self.active.execute(sql, args)
-        except sqlite3.OperationalError as e:
-            if self.active is not self.file or not _degrading(e):
-                raise
-            self.degrade(e)
-            if not head.startswith("BEGIN") and self._stmts is not None:
-                self.active.execute("BEGIN IMMEDIATE")
-                for s, a in self._stmts:
-                    self.active.execute(s, a)
-            cur = self.active.execute(sql, args)
-        if head.startswith("BEGIN"):
-            self._stmts = []
-        elif head.startswith(("COMMIT", "ROLLBACK")):
-            self._stmts = None
-        elif self._stmts is not None and not head.startswith("SELECT"):
-            self._stmts.append((sql, tuple(args)))
-        return cur
-
-    def degrade(self, e: BaseException) -> None:
-        """Go on from an in-memory copy of what the file holds (committed transactions only)."""
-        try:
-            if self.file.in_transaction:
-                self.file.execute("ROLLBACK")
-        except sqlite3.Error:
-            pass
-        mem = sqlite3.connect(":memory:", isolation_level=None)
-        try:
-            self.file.backup(mem)
-        except sqlite3.Error:
-            mem.close()
-            raise e from None
-        mem.execute("PRAGMA foreign_keys=ON")
-        self.mem, self.active = mem, mem
-        self.degraded, self.degraded_at = f"{type(e).__name__}: {e}", time.time()
-        log.error("state database cannot be written (%s): the state is kept in memory and the "
-                  "watch goes on; it is written back when the file can be written again "
-                  "(a daemon restart before then loses what happened since)", self.degraded)
-
-    def write_back(self) -> bool:
-        """Copy the in-memory state to the file; True when the file is in use again."""
-        if self.mem is None:
-            return True
-        if self.mem.in_transaction:
-            return False
-        # sqlite3's backup() waits as long as another process holds the lock: ask first, without
-        # waiting, so a tick never blocks on it.
-        try:
-            timeout = self.file.execute("PRAGMA busy_timeout").fetchone()[0]
-            self.file.execute("PRAGMA busy_timeout=0")
-            try:
-                self.file.execute("BEGIN IMMEDIATE")
-                self.file.execute("ROLLBACK")
-            finally:
-                self.file.execute(f"PRAGMA busy_timeout={int(timeout)}")
-            self.mem.backup(self.file)
-        except sqlite3.Error as e:
-            log.debug("state database still cannot be written: %s", e)
-            return False
-        since = time.time() - (self.degraded_at or time.time())
-        log.warning("state database writable again: %.0f s of state kept in memory written back "
-                    "(it was: %s)", since, self.degraded)
-        self.mem.close()
-        self.mem, self.active, self.degraded, self.degraded_at = None, self.file, None, None
-        return True
-
-    def close(self) -> None:
-        if self.mem is not None:
-            self.write_back()
-        if self.mem is not None:
-            self.mem.close()
-        self.file.close()
 
 
 def _inserted_id(cur: sqlite3.Cursor) -> int:
