@@ -9,20 +9,31 @@ wall-clock anchors, which do not move while an alert stays put):
 - `rules:<job>`: `[{"rule", "health", "last_error"}]`, one per rule, in rule-file order.
 When the old daemon stopped observing is the job row's `verdict_at` (written every tick): the
 outage is measured from there, and the timers resume from there.
+
+A job removed from the config keeps its two rows for `PRUNE_GRACE_S` after the daemon last wrote
+its job row, so that a job put back soon resumes its timers; `prune_removed` then deletes them.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Collection
 from typing import Any
 
-from stallwatch.engine.alerting import Evaluator
+from stallwatch.engine.alerting import FOR_OUTAGE_TOLERANCE_S, Evaluator
 from stallwatch.daemon.state import StateDB
 
 log = logging.getLogger("stallwatch.daemon")
 
 ANCHOR_SLACK_S = 1.0  # wall anchors recomputed each tick jitter by microseconds; a step is news
+
+# After this long without a daemon writing its job row, nothing of a job's saved alert state can
+# be restored (`Evaluator.restore` refuses an outage over the tolerance): a removed job's rows are
+# kept that long, in case it is put back, and no longer.
+PRUNE_GRACE_S = FOR_OUTAGE_TOLERANCE_S
+PRUNE_EVERY_S = 600.0  # how often the daemon looks for rows to prune (and at its first tick)
+_PREFIXES = ("alerts", "rules")
 
 
 def alerts_key(job: str) -> str:
@@ -86,3 +97,26 @@ def _moved(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> bool:
             if a.get(k) is not None and abs(a[k] - b[k]) > ANCHOR_SLACK_S:
                 return True
     return False
+
+
+def prune_removed(db: StateDB, watched: Collection[str], now_wall: float,
+                  grace_s: float = PRUNE_GRACE_S) -> list[str]:
+    """Delete the saved alert state (`alerts:<job>`, `rules:<job>`) of every job not in `watched`
+    whose job row was last written more than `grace_s` before `now_wall` (wall seconds), or that
+    has no job row. Returns those jobs, sorted."""
+    keys: dict[str, list[str]] = {}
+    for key in db.meta():
+        prefix, sep, job = key.partition(":")
+        if sep and prefix in _PREFIXES and job not in watched:
+            keys.setdefault(job, []).append(key)
+    pruned: list[str] = []
+    for job in sorted(keys):
+        row = db.job(job)
+        if row is not None and now_wall - float(row["updated_at"]) <= grace_s:
+            continue
+        db.delete_meta(*keys[job])
+        pruned.append(job)
+    if pruned:
+        log.info("saved alert state of %d job(s) no longer in the config deleted (%s): unwatched "
+                 "for over %.0f s", len(pruned), ", ".join(pruned), grace_s)
+    return pruned

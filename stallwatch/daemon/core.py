@@ -39,6 +39,7 @@ from stallwatch.errors import UsageError
 from stallwatch.kernel.proc import boot_id
 from stallwatch.kernel.roots import Absent, Denied
 from stallwatch.daemon.sdnotify import Notifier
+from stallwatch.daemon.alertmemory import PRUNE_EVERY_S, prune_removed
 from stallwatch.daemon.state import StateDB
 
 log = logging.getLogger("stallwatch.daemon")
@@ -105,6 +106,7 @@ class Daemon:
         self._metrics: Any = None
         self._job_errors: dict[str, tuple[str, float, int]] = {}  # job -> (error, logged at, n)
         self._write_back_at = 0.0
+        self._pruned_mono: float | None = None  # when saved alert state was last pruned
 
     # ------------------------------------------------------------------------------- control
 
@@ -292,6 +294,10 @@ class Daemon:
                                                           default=str))
         except Exception as e:  # noqa: BLE001
             self._tick_failed("(the tick's meta rows)", e)
+        try:
+            self._prune_alert_state()
+        except Exception as e:  # noqa: BLE001 - old rows left for the next look, the watch goes on
+            self._tick_failed("(pruning removed jobs' saved alert state)", e)
         status = self.summary()
         healthy = dur <= self.config.daemon.tick_deadline_s
         if not healthy:
@@ -306,6 +312,13 @@ class Daemon:
         else:
             self.notifier.status(status)
         self._update_metrics(dur)
+
+    def _prune_alert_state(self) -> None:
+        """Removed jobs' saved alert state, once it can no longer be restored (alertmemory)."""
+        now = self.clock.monotonic()
+        if self._pruned_mono is None or now - self._pruned_mono >= PRUNE_EVERY_S:
+            self._pruned_mono = now
+            prune_removed(self.db, self.jobs.keys(), self.clock.time())
 
     # A job whose tick overran job_tick_deadline_s waits this many times that tick's duration
     # before its next one, so that it takes at most 1/(1 + OVERRUN_SPACING) of the daemon's

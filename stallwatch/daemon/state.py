@@ -350,6 +350,11 @@ class StateDB:
             self.conn.execute("INSERT INTO meta(key, value) VALUES(?, ?) ON CONFLICT(key) "
                               "DO UPDATE SET value = excluded.value", (key, value))
 
+    def delete_meta(self, *keys: str) -> None:
+        with self.tx():
+            self.conn.execute(f"DELETE FROM meta WHERE key IN ({', '.join('?' * len(keys))})",
+                              keys)
+
     def meta(self) -> dict[str, str]:
         return {r["key"]: r["value"] for r in self._q("SELECT key, value FROM meta")}
 
