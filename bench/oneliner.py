@@ -32,11 +32,11 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from stallwatch.daemon.config import JobConfig  # noqa: E402
-from stallwatch.engine.alerting import Verdict  # noqa: E402
-from stallwatch.engine.history import History, Sample  # noqa: E402
-from stallwatch.commands.live import Footer, Tee, footer_text, job_view  # noqa: E402
-from stallwatch.daemon.state import StateDB  # noqa: E402
+from stallwatch.daemon.config import JobConfig  # noqa: E402 - after the sys.path insert: run from a checkout
+from stallwatch.engine.alerting import Verdict  # noqa: E402 - after the sys.path insert: run from a checkout
+from stallwatch.engine.history import History, Sample  # noqa: E402 - after the sys.path insert: run from a checkout
+from stallwatch.commands.live import Footer, Tee, footer_text, job_view  # noqa: E402 - after the sys.path insert: run from a checkout
+from stallwatch.daemon.state import StateDB  # noqa: E402 - after the sys.path insert: run from a checkout
 
 
 def startup(runs: int) -> dict:

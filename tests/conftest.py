@@ -18,7 +18,7 @@ settings.load_profile("stallwatch-random" if os.environ.get("STALLWATCH_FUZZ_RAN
                       else "stallwatch-ci")
 
 
-import pytest  # noqa: E402
+import pytest  # noqa: E402 - after the hypothesis profile, which must be loaded first
 
 
 @pytest.fixture(autouse=True)

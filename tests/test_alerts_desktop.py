@@ -39,9 +39,9 @@ jeepney = pytest.importorskip("jeepney", reason="jeepney (the test's D-Bus clien
 pytest.importorskip("dbusmock", reason="python-dbusmock is not installed (needs libdbus-1-dev "
                     "libglib2.0-dev pkg-config to build dbus-python): pip install -e '.[test]'")
 
-from jeepney import DBusAddress, MatchRule, new_method_call  # noqa: E402
-from jeepney.bus_messages import message_bus  # noqa: E402
-from jeepney.io.blocking import Proxy, open_dbus_connection  # noqa: E402
+from jeepney import DBusAddress, MatchRule, new_method_call  # noqa: E402 - after importorskip: without dbusmock the module is skipped first
+from jeepney.bus_messages import message_bus  # noqa: E402 - after importorskip: without dbusmock the module is skipped first
+from jeepney.io.blocking import Proxy, open_dbus_connection  # noqa: E402 - after importorskip: without dbusmock the module is skipped first
 
 NOTIF = "org.freedesktop.Notifications"
 NOTIF_PATH = "/org/freedesktop/Notifications"

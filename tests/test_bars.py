@@ -83,7 +83,9 @@ def test_cursor_ups_and_position_attribution() -> None:
     bars = MultiBars()
     line = ("Generating Hidden States:  40%|####      | {n}/5 "
             "[00:01<00:01,  2.00it/s, processed={p}, skipped=0, pending_io=0]")
-    ev = lambda n: parse_tqdm(line.format(n=n, p=4 * n))  # noqa: E731
+    def ev(n: int):
+        return parse_tqdm(line.format(n=n, p=4 * n))
+
     assert bars.feed(ev(1), 1, False, 0.0) and bars.feed(ev(2), 0, False, 1.0)
     assert not bars.feed(ev(1), 1, False, 2.0)  # same count at position 1: no move
     assert not bars.feed(ev(0), 0, False, 3.0)  # backwards: another rank's redraw cut off

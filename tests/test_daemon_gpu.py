@@ -39,7 +39,7 @@ for i in range(n):
 
 def gpu_or_skip() -> None:
     try:
-        import torch  # noqa: F401
+        import torch  # noqa: F401 - whether it imports is the question
     except ImportError:
         pytest.skip("torch is not installed")
     from stallwatch.probes.gpu import GpuProbe

@@ -11,7 +11,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from rigs import frozen_ext4, root, spawned, task_state, thread_ids, wait_until  # noqa: F401
+from rigs import frozen_ext4, root, spawned, task_state, thread_ids, wait_until  # noqa: F401 - root is a fixture, named as a parameter
 
 from stallwatch.probes.text.progress import clean_line, parse_progress
 from stallwatch.sglang import ptfile
@@ -30,7 +30,7 @@ def launch_server(*args, **kw):
 def has(module: str) -> bool:
     try:
         __import__(module)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - any failure to import means: not here
         return False
     return True
 

@@ -31,8 +31,8 @@ def launch_server(*args, **kw):
 
 def torch_installed() -> bool:
     try:
-        import torch  # noqa: F401
-    except Exception:  # noqa: BLE001
+        import torch  # noqa: F401 - whether it imports is the question
+    except Exception:  # noqa: BLE001 - a broken torch install is no torch
         return False
     return True
 
@@ -348,7 +348,9 @@ def test_metrics_at_tp4_with_all_schedulers_report_true_counts(tmp_path):
         for _ in range(3):  # one runs, two wait in the queue
             threading.Thread(target=lambda: _ignore(lambda: s.generate([1, 2], max_new_tokens=100_000,
                                                                          timeout=60)), daemon=True).start()
-        text = lambda: s.request("/metrics")[1].decode()  # noqa: E731
+        def text() -> str:
+            return s.request("/metrics")[1].decode()
+
         wait_until(lambda: text().count('sglang:num_queue_reqs{') == 4 and
                    'sglang:num_queue_reqs{engine_type="unified",model_name="tiny",pp_rank="0",tp_rank="3"} 2.0'
                    in text(), 20, "four ranks reporting 2 queued")

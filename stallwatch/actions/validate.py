@@ -293,8 +293,8 @@ def _check_one(out_fd: int, parts: tuple[str, ...], ident: tuple[int, int], path
             if dry_run:
                 quarantined.append(Quarantined(path, str(dst), reason))
                 return False
+            assert q_fd is not None  # opened above unless dry_run
             try:
-                assert q_fd is not None
                 qpfd = safefs.open_rel(q_fd, parts[:-1], create=True)
                 try:
                     moved = move_at(pfd, parts[-1], fd, qpfd, parts[-1])

@@ -38,12 +38,17 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from stallwatch.commands.demo_rig import (JOB, DemoUnavailable, LoopFS, device_args, pids_running,
                                           read_progress)
 from stallwatch.commands.demo_story import DemoStory, Event
+from stallwatch.daemon.core import Daemon
+from stallwatch.daemon.state import StateDB
 from stallwatch.errors import UsageError
+from stallwatch.sglang.launch import ServerProcess
+
+T = TypeVar("T")
 
 FAULTS = ("hang", "io_stall", "crash", "server_hang")
 
@@ -81,11 +86,11 @@ class Demo(DemoStory):
         self.events: list[Event] = []
         self.problems: list[str] = []
         self.dir: Path | None = None
-        self.server = None
+        self.server: ServerProcess | None = None
         self.loopfs: LoopFS | None = None
-        self.daemon = None
+        self.daemon: Daemon | None = None
         self.daemon_thread: threading.Thread | None = None
-        self.db = None
+        self.db: StateDB | None = None
         self._log_handler: logging.Handler | None = None
         self._saved_logger: tuple[int, bool] | None = None
         # what happened
@@ -114,6 +119,13 @@ class Demo(DemoStory):
         self._restarts: int | None = None
         self.progress_wall_at_detection: float | None = None
 
+    @staticmethod
+    def _ready(value: T | None, what: str) -> T:
+        """A part of the rig that run() sets up before the step that uses it."""
+        if value is None:
+            raise RuntimeError(f"demo: {what} is not set up yet")
+        return value
+
     # -- set-up ---------------------------------------------------------------------------
 
     def _start_server(self) -> None:
@@ -122,18 +134,18 @@ class Demo(DemoStory):
         dev_args, self.model_text = device_args()
         args = [*dev_args, "--enable-metrics", "--enable-return-hidden-states",
                 "--forward-delay-s", str(FORWARD_DELAY_S), "--no-access-log"]
-        self.server = launch_server(args, log=str(self.dir / "server.log"), die_with_parent=True,
-                                    ready_timeout=120.0)
-        kids = self.server.children()
+        server = self.server = launch_server(args, log=str(self._ready(self.dir, "the directory") / "server.log"),
+                                             die_with_parent=True, ready_timeout=120.0)
+        kids = server.children()
         sched = kids.get("scheduler") or []
         self.scheduler_pid = sched[0] if sched else None
-        self.say("server", f"SGLang-protocol server up at {self.server.url} (pid {self.server.pid}, "
+        self.say("server", f"SGLang-protocol server up at {server.url} (pid {server.pid}, "
                            f"scheduler pid {self.scheduler_pid}, detokenizer pid "
                            f"{(kids.get('detokenizer') or ['?'])[0]}): {self.model_text}")
 
     def _client_argv(self) -> list[str]:
         argv = [sys.executable, "-m", "stallwatch.sglang.extract_client", "--server",
-                self.server.url, "--out", str(self.out), "--num-samples", str(self.n),
+                self._ready(self.server, "the server").url, "--out", str(self.out), "--num-samples", str(self.n),
                 "--seq-len", str(SEQ_LEN), "--resume"]
         if self.fault in ("hang", "crash"):
             hook = "hang_mid_write" if self.fault == "hang" else self.fault
@@ -177,23 +189,24 @@ kill_grace_s = 3
         from stallwatch.daemon.core import Daemon
 
         text = self.config_text()
-        path = self.dir / "stallwatch.toml"
+        workdir = self._ready(self.dir, "the directory")
+        path = workdir / "stallwatch.toml"
         path.write_text(text)
-        cfg = parse_config(text, str(path), base=self.dir, path=path)
+        cfg = parse_config(text, str(path), base=workdir, path=path)
         # The daemon's log goes to a file: the narration is what the terminal shows.
         lg = logging.getLogger("stallwatch")
         self._saved_logger = (lg.level, lg.propagate)
-        h = logging.FileHandler(self.dir / "daemon.log")
+        h = logging.FileHandler(workdir / "daemon.log")
         h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
         lg.addHandler(h)
         lg.setLevel(logging.INFO)
         lg.propagate = False
         self._log_handler = h
-        self.daemon = Daemon(cfg, install_signals=False)
-        self.daemon_thread = threading.Thread(target=self._daemon_main, name="stallwatch-daemon",
-                                              daemon=True)
+        daemon = self.daemon = Daemon(cfg, install_signals=False)
+        self.daemon_thread = threading.Thread(target=self._daemon_main, args=(daemon,),
+                                              name="stallwatch-daemon", daemon=True)
         self.daemon_thread.start()
-        if not self.daemon.started.wait(60):
+        if not daemon.started.wait(60):
             raise RuntimeError("the daemon did not tick within 60 s (see daemon.log)")
         from stallwatch.daemon.state import StateDB
 
@@ -215,9 +228,9 @@ kill_grace_s = 3
                       " (no session bus: no desktop notifications)"),
                   f"fault: {fault_words}"])
 
-    def _daemon_main(self) -> None:
+    def _daemon_main(self, daemon: Daemon) -> None:
         try:
-            self.daemon.run()
+            daemon.run()
         except Exception as e:  # said in the narration, not a traceback
             log.exception("the daemon failed")
             self.problems.append(f"the daemon failed: {type(e).__name__}: {e}")
@@ -230,18 +243,19 @@ kill_grace_s = 3
         if not self.progress or self.progress[0] < self.fault_at:
             return
         if self.fault == "server_hang":
-            pid = self.scheduler_pid
+            pid = self._ready(self.scheduler_pid, "the scheduler's pid")
             os.kill(pid, signal.SIGSTOP)
             self.fault_wall = time.time()
             self.fault_how = f"SIGSTOP to the scheduler (pid {pid}, sglang::scheduler)"
             self.say("fault", f"kill -STOP {pid}: the server's scheduler stops; its HTTP process "
                               "still answers, the client waits for its answer")
         else:
-            self.loopfs.freeze()
+            fs = self._ready(self.loopfs, "the loop-mounted filesystem")
+            fs.freeze()
             self.fault_wall = time.time()
-            self.fault_how = f"fsfreeze -f {self.loopfs.mnt} ({self.loopfs.dev})"
-            self.say("fault", f"fsfreeze -f {self.loopfs.mnt}: the outputs filesystem "
-                              f"({self.loopfs.dev}) completes no write; the client's writer "
+            self.fault_how = f"fsfreeze -f {fs.mnt} ({fs.dev})"
+            self.say("fault", f"fsfreeze -f {fs.mnt}: the outputs filesystem "
+                              f"({fs.dev}) completes no write; the client's writer "
                               "thread blocks in the kernel (D), and the client stops once its "
                               "write queue is full")
 
@@ -253,7 +267,7 @@ kill_grace_s = 3
         if self.fault == "server_hang":
             if since < 2.0:
                 return  # let the alert be seen first
-            os.kill(self.scheduler_pid, signal.SIGCONT)
+            os.kill(self._ready(self.scheduler_pid, "the scheduler's pid"), signal.SIGCONT)
             self.operator_done = True
             self.say("operator", f"kill -CONT {self.scheduler_pid}: acting as the operator. "
                                  "stallwatch does not restart the client for server_hang (the "
@@ -261,18 +275,19 @@ kill_grace_s = 3
                                  "again); in real life you would restart the server. The client "
                                  "is still waiting on its request and goes on by itself")
         elif self.fault == "io_stall":
+            fs = self._ready(self.loopfs, "the loop-mounted filesystem")
             if self.unkillable_seen is None:
                 if since > 40.0:  # never said: thaw anyway (the check below reports it)
-                    self.loopfs.thaw()
+                    fs.thaw()
                     self.thawed_wall = time.time()
                     self.operator_done = True
-                    self.say("operator", f"fsfreeze -u {self.loopfs.mnt}: the kill never said "
+                    self.say("operator", f"fsfreeze -u {fs.mnt}: the kill never said "
                                          "the writer was unkillable; thawing anyway")
                 return
             if time.time() - self.unkillable_seen < 3.0:
                 return  # show a few seconds of "waiting, no second writer"
             writers = pids_running("stallwatch.sglang.extract_client", str(self.out))
-            runs = self.db.runs(JOB)
+            runs = self._ready(self.db, "the state database").runs(JOB)
             if len(runs) > 1 or len(writers) > 1:
                 self.second_writer = True
             self.say("check", f"{len(writers)} client process (pid "
@@ -282,10 +297,10 @@ kill_grace_s = 3
                               if not self.second_writer else
                               f"{len(writers)} client processes, {len(runs)} runs: a second "
                               "writer was started beside the stuck one!")
-            self.loopfs.thaw()
+            fs.thaw()
             self.thawed_wall = time.time()
             self.operator_done = True
-            self.say("operator", f"fsfreeze -u {self.loopfs.mnt}: acting as the operator, the "
+            self.say("operator", f"fsfreeze -u {fs.mnt}: acting as the operator, the "
                                  "storage answers again. The stuck write returns, the killed "
                                  "client can finally exit, and the recovery goes on")
 
@@ -307,7 +322,7 @@ kill_grace_s = 3
     # -- reading the state database ------------------------------------------------------
 
     def _poll(self) -> None:
-        db = self.db
+        db = self._ready(self.db, "the state database")
         prog = self._read_progress() if self.runs_seen else None
         if prog is not None and prog != self.progress:
             old = self.progress[0] if self.progress else -1
@@ -440,7 +455,7 @@ kill_grace_s = 3
 
         try:
             runs = self.db.runs(JOB) if self.db is not None else []
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - cleaning up: a broken database must not leave the job running
             runs = []
         for run in runs:
             if run.get("pid") and run.get("start_ticks") is not None and \
@@ -479,7 +494,7 @@ kill_grace_s = 3
         if self.loopfs is not None:
             if self.keep:  # keep the image's files: copy them out before it is unmounted
                 with contextlib.suppress(OSError):
-                    shutil.copytree(self.loopfs.mnt, self.dir / "outputs-from-image",
+                    shutil.copytree(self.loopfs.mnt, self._ready(self.dir, "the directory") / "outputs-from-image",
                                     ignore=shutil.ignore_patterns("lost+found"))
             self.loopfs.teardown()
         if self.dir is not None and not self.keep:

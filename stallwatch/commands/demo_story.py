@@ -257,7 +257,7 @@ class DemoStory:
             return self._restarts
         try:
             row = self.db.job(JOB) if self.db is not None else None
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a count for the summary: 0 when the database cannot say
             row = None
         return int(row["restarts"]) if row else 0
 

@@ -172,13 +172,13 @@ def job_view(runner: Any, pace: Pace | None = None, now: float | None = None) ->
         try:
             acts = [f"{a['what']}: {a['outcome']}" for a in runner.db.actions(inc["id"])
                     if a["what"] not in ("detect", "evidence") and a["outcome"] != "pending"]
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - the view never stops the watch
             acts = []
         incident = {"id": inc["id"], "kind": inc["kind"], "started_at": inc["started_at"],
                     "resolved_at": inc["resolved_at"], "last_action": acts[-1] if acts else ""}
     try:
         row = runner.db.job(runner.name) or {}
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - the view never stops the watch
         row = {}
     gpu = v.get("gpu") or {}
     mine = set(gpu.get("job_gpus") or ())
@@ -412,7 +412,7 @@ class Footer:
             try:
                 self._last = footer_text(views, max(20, self.cols))
                 self._redraw(self._last)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - the view never stops the watch
                 pass
         with self.lock:
             self._write(f"\x1b[r\x1b[{self.rows};1H\r\n".encode())

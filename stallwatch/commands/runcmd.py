@@ -31,7 +31,7 @@ class _FooterLog(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             self.footer.log_line(f"stallwatch: {record.getMessage()}")
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - logging's own error path, as logging.Handler does
             self.handleError(record)
 
 

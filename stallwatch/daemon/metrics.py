@@ -457,8 +457,8 @@ def _daemon_families(d: DaemonView) -> list[Metric]:
     out.append(runs)
     pdur = GaugeMetricFamily("stallwatch_probe_last_duration_seconds",
                              "How long each probe's last run took.", labels=["probe"])
-    for p, s in sorted(d.probe_duration_s.items()):
-        pdur.add_metric([p], s)
+    for p, secs in sorted(d.probe_duration_s.items()):
+        pdur.add_metric([p], secs)
     out.append(pdur)
     out.append(CounterMetricFamily("stallwatch_rule_evaluation_errors",
                                    "Rule conditions or templates that failed to evaluate.",

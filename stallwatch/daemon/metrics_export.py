@@ -92,7 +92,7 @@ def is_loopback(host: str) -> bool:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except OSError:
         return False
-    addrs = {i[4][0] for i in infos}
+    addrs = {str(i[4][0]) for i in infos}
     return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
 
 
@@ -175,8 +175,8 @@ class MetricsExporter:
 
     def start(self) -> MetricsExporter:
         """Start the HTTP server (no-op without `listen`). Raises OSError if it cannot bind."""
-        if self.listen is None or self._httpd is not None:
-            return self
+        if self._host is None or self._port is None or self._httpd is not None:
+            return self  # without `listen` (check_listen gave both from it), or started
         from prometheus_client import make_wsgi_app
 
         from stallwatch.daemon.metrics_http import MetricsServer

@@ -197,7 +197,7 @@ class DeadlineRunner:
                     error=f"{name} did not return within {deadline_s:g} s",
                 )))
                 continue
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:  # noqa: BLE001 - every failure of a probe becomes its report
                 out.append((None, report_for_exception(name, e, self._clock.monotonic() - t0)))
                 continue
             out.append((value, ProbeReport(name=name, status=ProbeStatus.ok,
@@ -252,6 +252,6 @@ def run_inline(name: str, fn, clock: Clock = SYSTEM_CLOCK) -> tuple[Any, ProbeRe
     t0 = clock.monotonic()
     try:
         value = fn()
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - every failure of a probe becomes its report
         return None, report_for_exception(name, e, clock.monotonic() - t0)
     return value, ProbeReport(name=name, status=ProbeStatus.ok, duration_s=clock.monotonic() - t0)

@@ -218,7 +218,7 @@ def find_pipeline(target: Target, gpu_probe: GpuProbe | None = None, *,
     try:
         obs = probe.collect()
         gpu = gpu_pids(obs)
-        gpu_status = obs.status
+        gpu_status: str = obs.status
     except Exception as e:  # noqa: BLE001 - NVML trouble is no reason not to look at /proc
         gpu, gpu_status = {}, f"error: {type(e).__name__}"
     host = _Host(roots)

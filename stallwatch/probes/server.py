@@ -166,7 +166,7 @@ class _Poller:
         if self._on_done is not None:
             try:
                 self._on_done(answer, finished)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - a bug in processing becomes the answer's error
                 answer.error = f"processing failed: {type(e).__name__}: {e}"
         with self._lock:
             self.last = _Done(answer, started, finished)

@@ -517,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     try:
         code = main()
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - the client's last word: the traceback, exit 1
         import traceback
 
         traceback.print_exc()

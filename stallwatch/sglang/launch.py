@@ -121,7 +121,7 @@ class ServerProcess:
             pass
         try:
             self.proc.wait(timeout)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - stopping: the return code below says the rest
             pass
         return self.proc.returncode
 

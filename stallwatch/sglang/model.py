@@ -165,7 +165,7 @@ def resolve_device(device: str) -> str:
         return "python"
     try:
         import torch
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - a broken torch install is no torch
         if device.startswith("cuda"):
             raise RuntimeError("--device cuda needs torch, which is not installed") from None
         return "python"

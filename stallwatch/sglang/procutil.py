@@ -40,11 +40,11 @@ def set_process_title(title: str) -> None:
 
         setproctitle.setproctitle(title)
         return
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - cosmetic: a process title is never worth failing for
         pass
     try:
         _libc().prctl(15, ctypes.c_char_p(title.encode()[:15]), 0, 0, 0)  # PR_SET_NAME
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - cosmetic: a process title is never worth failing for
         pass
     try:
         with open("/proc/self/stat", "rb") as f:

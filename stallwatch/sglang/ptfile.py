@@ -68,7 +68,7 @@ class PtFileError(Exception):
 
 def torch_available() -> bool:
     try:
-        import torch  # noqa: F401
+        import torch  # noqa: F401 - whether it imports is the question
     except Exception:  # noqa: BLE001 - a broken torch install is "not available"
         return False
     return True
