@@ -152,7 +152,9 @@ def test_an_idle_thread_costs_one_read_of_its_schedstat():
             probe.collect()
             assert sorted(r for r in reads if r.endswith("/schedstat")) == sorted(
                 f"/proc/{proc.pid}/task/{t}/schedstat" for t in tids)
-            stats.append({int(r.split("/")[-2]) for r in reads if r.endswith("/stat")})
+            stats.append({int(r.split("/")[-2]) for r in reads
+                          if "/task/" in r and r.endswith("/stat")})
+            assert not [r for r in reads if "/task/" in r and not r.endswith(("/stat", "/schedstat"))]
     # Each thread's stat once over STAT_EVERY_TICKS collects, and nothing else read per thread.
     assert sorted(t for s in stats for t in s) == tids
     assert len(tids) == 10

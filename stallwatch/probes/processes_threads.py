@@ -199,8 +199,8 @@ class ThreadReader:
         if exec_start_s is None:
             return None
         if tick.uptime_s is None:
-            up = self._optional(self._paths.host("uptime"), procfs.parse_uptime_s, "uptime",
-                                tick.denied)
+            up = self._kept_parsed(self._paths.host("uptime"), procfs.parse_uptime_s, "uptime",
+                                   tick.denied)
             tick.uptime_s = up if up is not None else -1.0
         return None if tick.uptime_s < 0 else max(0.0, tick.uptime_s - exec_start_s)
 

@@ -64,7 +64,7 @@ class TreeWalk:
             if pid in seen:
                 continue
             seen.add(pid)
-            st = self._read_stat(pid, cache)
+            st = self._read_stat(pid, cache, kept=True)
             if st is None:
                 continue
             stats[pid] = st
@@ -158,13 +158,18 @@ class TreeWalk:
                     stats[int(name)] = st
         return stats
 
-    def _read_stat(self, pid: int, cache: dict[str, tuple[str, procfs.Stat]]) -> procfs.Stat | None:
+    def _read_stat(self, pid: int, cache: dict[str, tuple[str, procfs.Stat]],
+                   kept: bool = False) -> procfs.Stat | None:
         """A process's stat, into this scan's cache; None when it exited since it was listed or
         is hidden from us (hidepid). Most processes on a host sleep: their stat line is the same
-        as a tick ago, and its parse is reused (the read is not: it is how we know)."""
+        as a tick ago, and its parse is reused (the read is not: it is how we know). `kept`: the
+        job's own, read every tick by the tree walk, through a kept descriptor; a scan of the
+        whole host opens and closes."""
+        if kept:
+            return self._kept_parsed(self._paths.pid(pid, "stat"), procfs.parse_stat, "stat", set())
         name = str(pid)
         try:
-            text = self.roots.read_text(f"{self._pd(pid)}/stat")
+            text = self.roots.read_text(self._paths.pid(pid, "stat"))
         except (Absent, Denied):
             return None
         hit = cache.get(name)
