@@ -304,8 +304,11 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             if tids is None:
                 tids, listed = self._list_tids(st), True
             fds = self._fds(pid, tick)
-            threads = [t for t in (self._thread(pid, tid, fds, tick)
-                                   for tid in tids[:limit]) if t is not None]
+            threads, thread = [], self._thread
+            for tid in tids[:limit]:  # the hot loop of a wide job: kept short
+                t = thread(pid, tid, fds, tick)
+                if t is not None:
+                    threads.append(t)
             if not listed and len(threads) < min(len(tids), limit):
                 # A remembered thread is gone: the list changed under an unchanged count.
                 tids = self._list_tids(st)

@@ -65,7 +65,7 @@ class ThreadReader:
                 sched = self._kept_or_none(memo.sched_path)
             if sched == memo.sched_raw:
                 if (tid + tick.number) % STAT_EVERY_TICKS:
-                    return self._thread_idle(memo, fds, tick)
+                    return self._thread_idle(memo, fds, tick)  # its stat is not read
                 try:
                     raw = self._kept.read(memo.stat_path)
                 except (Absent, Denied):
@@ -165,7 +165,8 @@ class ThreadReader:
         if sc_fd is not None:
             values["syscall_file"] = fds.get(sc_fd) if fds is not None else None
         if memo.exec_start_s is not None:
-            values["last_ran_age_s"] = self._last_ran_age(memo.exec_start_s, tick)
+            up = tick.uptime_s if tick.uptime_s is not None else self._uptime(tick)
+            values["last_ran_age_s"] = None if up < 0 else max(0.0, up - memo.exec_start_s)
         obs = _evolved(old, values)
         memo.obs, memo.seen_at = obs, now
         tick.memos_seen += 1
@@ -198,11 +199,16 @@ class ThreadReader:
     def _last_ran_age(self, exec_start_s: float | None, tick: _Tick) -> float | None:
         if exec_start_s is None:
             return None
+        up = self._uptime(tick)
+        return None if up < 0 else max(0.0, up - exec_start_s)
+
+    def _uptime(self, tick: _Tick) -> float:
+        """/proc/uptime, once a tick; -1 when unreadable."""
         if tick.uptime_s is None:
             up = self._kept_parsed(self._paths.host("uptime"), procfs.parse_uptime_s, "uptime",
                                    tick.denied)
             tick.uptime_s = up if up is not None else -1.0
-        return None if tick.uptime_s < 0 else max(0.0, tick.uptime_s - exec_start_s)
+        return tick.uptime_s
 
 
 def _evolve(obs: ThreadObs, update: dict) -> ThreadObs:
