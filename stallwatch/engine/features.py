@@ -73,9 +73,9 @@ def stall_threshold_s(snap: Snapshot) -> tuple[float, str]:
     if c.source == "observed" and c.samples < CADENCE_MIN_SAMPLES:
         # A few intervals we timed ourselves may be one burst of lines (a batch logging each
         # item): they may raise the threshold, never lower it below tqdm's rate or the default.
-        rate = log.tqdm_rate_per_s
-        if rate and rate > 0:
-            low, why = max(STALL_FLOOR_S, CADENCE_P90_FACTOR * 2.0 / rate), f"from the rate {rate:.3g}/s"
+        tqdm_rate = log.tqdm_rate_per_s
+        if tqdm_rate and tqdm_rate > 0:
+            low, why = max(STALL_FLOOR_S, CADENCE_P90_FACTOR * 2.0 / tqdm_rate), f"from the rate {tqdm_rate:.3g}/s"
         else:
             low, why = STALL_DEFAULT_S, "default"
         if t < low:
@@ -113,7 +113,7 @@ def known_rate(snap: Snapshot) -> tuple[float, str]:
     procs = snap.processes.processes if snap.processes else ()
     main = next((p for p in procs if p.role == "target" and p.state not in ("Z", "X")), None)
     ran_s = snap.t_wall - main.start_time if main else 0.0
-    if done > 0 and ran_s > 0:
+    if main is not None and done > 0 and ran_s > 0:
         return done / ran_s, f"done {done:.0f} ÷ {ran_s:.0f} s since pid {main.pid} started"
     return -1.0, ""
 

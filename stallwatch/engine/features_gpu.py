@@ -152,18 +152,18 @@ def _ranks(snap: Snapshot) -> dict[str, Any]:
             gpu_of.setdefault(pr.pid, []).append((d.index, pr.used_bytes or 0))
     util = {d.index: d.util_gpu_pct for d in (snap.gpu.devices if snap.gpu else ())
             if isinstance(d.util_gpu_pct, (int, float))}
-    ranks = []
+    ranks: list[dict[str, Any]] = []
     for p in (sp.processes if sp else ()):
         title = parse_title(p.cmdline)
         if title is None or title.role != "scheduler":
             continue
         gpus = gpu_of.get(p.pid, [])
         quiet = _quiet(p.ctx_unchanged_for_s, p.last_ran_age_s)
-        stuck = p.state in ("T", "t", "D", "Z") or quiet >= 10
+        is_stuck = p.state in ("T", "t", "D", "Z") or quiet >= 10
         ranks.append({"rank": title.tp, "label": title.label, "key": list(title.key), "pid": p.pid,
                       "state": p.state, "state_for_s": p.state_since_s, "cpu_util": p.cpu_util or 0.0,
                       "cpu_pct": round((p.cpu_util or 0.0) * 100.0), "quiet_s": quiet,
-                      "quiet_h": human_s(quiet), "wchan": p.wchan or "", "stuck": stuck,
+                      "quiet_h": human_s(quiet), "wchan": p.wchan or "", "stuck": is_stuck,
                       "gpu": gpus[0][0] if gpus else -1,
                       "gpu_util_pct": util.get(gpus[0][0], -1.0) if gpus else -1.0,
                       "mem_h": human_bytes(sum(b for _, b in gpus))})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from stallwatch.probes.disks import PathUsage
 from stallwatch.probes.processes import ProcessObs
 from stallwatch.probes.snapshot import Snapshot
 from stallwatch.engine.features_text import _ranges, human_bytes
@@ -121,16 +122,16 @@ def _exception_text(tb) -> str:
 
 def _outputs(snap: Snapshot) -> dict[str, Any]:
     o = snap.outputs
-    ok = o is not None and o.status.value == "ok"
+    ok = o if o is not None and o.status.value == "ok" else None
     return {
         "configured": o is not None,
-        "present": ok,
+        "present": ok is not None,
         "path": o.path if o else "",
-        "files": float(o.file_count) if ok else -1.0,
-        "bytes": float(o.total_bytes) if ok else -1.0,
-        "change_age_s": o.last_change_age_s if ok and o.last_change_age_s is not None else -1.0,
-        "newest": o.newest.path if ok and o.newest else "",
-        "mean_file_bytes": float(o.total_bytes) / o.file_count if ok and o.file_count else -1.0,
+        "files": float(ok.file_count) if ok else -1.0,
+        "bytes": float(ok.total_bytes) if ok else -1.0,
+        "change_age_s": ok.last_change_age_s if ok and ok.last_change_age_s is not None else -1.0,
+        "newest": ok.newest.path if ok and ok.newest else "",
+        "mean_file_bytes": float(ok.total_bytes) / ok.file_count if ok and ok.file_count else -1.0,
     }
 
 
@@ -140,10 +141,11 @@ def _disk(snap: Snapshot) -> dict[str, Any]:
     d = snap.disks
     paths = [p for p in (d.paths if d else ()) if p.kind == "path"]
     shm = next((p for p in (d.paths if d else ()) if p.kind == "dev_shm"), None)
+    # Counts known for these: `or 0` below only says so to the type checker.
     known = [p for p in paths if p.free_bytes is not None and p.total_bytes]
-    tight = min(known, key=lambda p: p.free_bytes, default=None)
+    tight = min(known, key=lambda p: p.free_bytes or 0, default=None)
     tight_inodes = min((p for p in paths if p.free_inodes is not None and p.total_inodes),
-                       key=lambda p: p.free_inodes, default=None)
+                       key=lambda p: p.free_inodes or 0, default=None)
     stuck = [p for p in paths if p.status.value in ("timeout", "busy")]
     job_devs = {p.device.name for p in paths if p.device} | {
         p.device.parent_disk for p in paths if p.device and p.device.parent_disk}
@@ -151,15 +153,15 @@ def _disk(snap: Snapshot) -> dict[str, Any]:
     worst_dev = max(devs, key=lambda x: x.inflight_stuck_for_s, default=None)
     return {
         "known": bool(known),
-        "free_bytes": float(tight.free_bytes) if tight else -1.0,
-        "free_h": human_bytes(tight.free_bytes) if tight else "",
-        "total_bytes": float(tight.total_bytes) if tight else -1.0,
+        "free_bytes": float(tight.free_bytes or 0) if tight else -1.0,
+        "free_h": human_bytes(tight.free_bytes or 0) if tight else "",
+        "total_bytes": float(tight.total_bytes or 0) if tight else -1.0,
         "used_pct": tight.used_pct if tight and tight.used_pct is not None else -1.0,
         "path": tight.path if tight else "",
         "mount": tight.mount.mount_point if tight and tight.mount else "",
         "device": _devname(tight),
         "fstype": tight.mount.fs_type if tight and tight.mount else "",
-        "free_inodes": float(tight_inodes.free_inodes) if tight_inodes else -1.0,
+        "free_inodes": float(tight_inodes.free_inodes or 0) if tight_inodes else -1.0,
         "inodes_used_pct": (tight_inodes.inodes_used_pct if tight_inodes and
                             tight_inodes.inodes_used_pct is not None else -1.0),
         "inodes_path": tight_inodes.path if tight_inodes else "",
@@ -192,24 +194,27 @@ def _io_place(snap: Snapshot, d_file: str) -> dict[str, str]:
     def under(f: str, mp: str) -> bool:
         return f == mp or f.startswith(mp.rstrip("/") + "/")
 
+    def mount_of(p: PathUsage) -> str:
+        return p.mount.mount_point if p.mount else ""  # every path here has one
+
     if d_file.startswith("/"):
-        owners = [p for p in paths if under(d_file, p.mount.mount_point)]
+        owners = [p for p in paths if under(d_file, mount_of(p))]
         if owners:
-            p = max(owners, key=lambda p: len(p.mount.mount_point))
-            return {"io_mount": p.mount.mount_point, "io_device": _devname(p),
+            p = max(owners, key=lambda p: len(mount_of(p)))
+            return {"io_mount": mount_of(p), "io_device": _devname(p),
                     "io_why": f"holds {d_file}, the stuck thread's file"}
     stuck = [p for p in paths if p.status.value in ("timeout", "busy")]
     if stuck:
-        return {"io_mount": stuck[0].mount.mount_point, "io_device": _devname(stuck[0]),
+        return {"io_mount": mount_of(stuck[0]), "io_device": _devname(stuck[0]),
                 "io_why": f"statvfs of {stuck[0].path} does not return"}
     out = str(snap.target.outputs) if snap.target.outputs else ""
     mine = next((p for p in paths if out and p.path == out), None)
     if mine is not None:
-        return {"io_mount": mine.mount.mount_point, "io_device": _devname(mine),
+        return {"io_mount": mount_of(mine), "io_device": _devname(mine),
                 "io_why": "holds the outputs directory"}
-    tight = min((p for p in paths if p.free_bytes is not None), key=lambda p: p.free_bytes,
+    tight = min((p for p in paths if p.free_bytes is not None), key=lambda p: p.free_bytes or 0,
                 default=paths[0])
-    return {"io_mount": tight.mount.mount_point, "io_device": _devname(tight),
+    return {"io_mount": mount_of(tight), "io_device": _devname(tight),
             "io_why": "the watched filesystem with the least free space"}
 
 

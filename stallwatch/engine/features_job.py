@@ -151,7 +151,7 @@ SPIN_MIN_S = 1.0
 def spinning(threads: list[tuple[ProcessObs, ThreadObs]]) -> list[dict[str, Any]]:
     """Threads that never left the run queue while watched (probes/runqueue.py), longest first.
     Judged by runnability, not by the CPU share the scheduler happened to give them."""
-    out = []
+    out: list[dict[str, Any]] = []
     for p, t in threads:
         rq = t.runqueue
         # R in every sample and no voluntary switch (it never blocked) is the kernel's word that
@@ -188,24 +188,26 @@ def _job_ranks(procs: list[ProcessObs], logv: dict[str, Any], who: str) -> dict[
     up. Each rank says what it does; the culprit is the one with the strongest sign of its own
     trouble (stopped, in D, spinning, a file open half-written while asleep, its bar stopped);
     the others wait in the collective, or at the barrier once their bar is done."""
-    ranked = sorted((p for p in procs if p.rank is not None), key=lambda p: p.rank.rank)
+    ranks = {p.pid: p.rank for p in procs if p.rank is not None}
+    ranked = sorted((p for p in procs if p.pid in ranks), key=lambda p: ranks[p.pid].rank)
     launcher = next((p for p in procs if p.launcher), None)
     out: dict[str, Any] = {"torchrun": launcher is not None, "launcher_pid": launcher.pid if launcher else -1,
                            "ranks": [], "ranks_text": "", "culprit": False, "culprit_pid": -1,
                            "culprit_rank": -1, "culprit_text": "", "who": who}
     if not ranked:
         return out
-    world = ranked[0].rank.world_size or len(ranked)
+    world = ranks[ranked[0].pid].world_size or len(ranked)
     bars = {b["position"]: b for b in logv.get("bars", [])}
     tp = world // len(bars) if bars and world % len(bars) == 0 else 1
     log_path = logv.get("path", "")
-    rows = []
+    rows: list[dict[str, Any]] = []
     # never left the run queue (probes/runqueue.py): spinning whatever share of a core it got;
     # when every rank does (NCCL busy-waits), nobody stands out
     runnable = {p.pid: _runnable_s(p) for p in ranked}
     lone = sum(1 for v in runnable.values() if v) < len(ranked)
     for p in ranked:
-        r = p.rank.rank
+        info = ranks[p.pid]
+        r = info.rank
         bar = bars.get(r // tp) if r % tp == 0 else None
         others = max(((o.cpu_util or 0.0) for o in ranked if o is not p), default=0.0)
         score, what = _rank_trouble(p, log_path, others, runnable[p.pid] if lone else 0.0)
@@ -215,7 +217,7 @@ def _job_ranks(procs: list[ProcessObs], logv: dict[str, Any], who: str) -> dict[
         if score == 0:
             what = ("finished its bar and waits at the barrier" if bar is not None and bar["complete"]
                     else "waits in the collective")
-        rows.append({"rank": r, "local_rank": p.rank.local_rank if p.rank.local_rank is not None else -1,
+        rows.append({"rank": r, "local_rank": info.local_rank if info.local_rank is not None else -1,
                      "pid": p.pid, "state": p.state, "cpu_pct": round((p.cpu_util or 0.0) * 100.0),
                      "score": score, "what": what})
     out["ranks"] = rows
@@ -225,12 +227,12 @@ def _job_ranks(procs: list[ProcessObs], logv: dict[str, Any], who: str) -> dict[
         by_what: dict[str, list[int]] = {}
         for x in rest:
             by_what.setdefault(x["what"], []).append(x["rank"])
-        others = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranges(rs)} "
-                           f"{_plural(w) if len(rs) > 1 else w}" for w, rs in by_what.items())
+        waiting = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranges(rs)} "
+                            f"{_plural(w) if len(rs) > 1 else w}" for w, rs in by_what.items())
         out.update(culprit=True, culprit_pid=top["pid"], culprit_rank=top["rank"],
                    who=f"rank {top['rank']} (pid {top['pid']}) of the torchrun job",
                    culprit_text=f"rank {top['rank']} (pid {top['pid']}) {top['what']}"
-                                + (f"; {others}" if others else ""))
+                                + (f"; {waiting}" if waiting else ""))
     out["ranks_text"] = ", ".join(f"rank {x['rank']} pid {x['pid']} {x['state']}" for x in rows)
     return out
 
@@ -303,7 +305,7 @@ def _client(procs: list[ProcessObs], threads: list[tuple[ProcessObs, ThreadObs]]
         return out
     out["connected"] = True
     for p, t in threads:
-        if t.syscall in SOCKET_READ_SYSCALLS and (p.pid, t.syscall_fd) in by_fd:
+        if t.syscall in SOCKET_READ_SYSCALLS and t.syscall_fd is not None and (p.pid, t.syscall_fd) in by_fd:
             out.update(waiting=True, blocked=True, how="blocked reading the server socket", pid=p.pid, tid=t.tid,
                        syscall=t.syscall, remote=by_fd[(p.pid, t.syscall_fd)],
                        quiet_s=_quiet(t.ctx_unchanged_for_s, t.last_ran_age_s))
