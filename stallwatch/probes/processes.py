@@ -3,9 +3,10 @@
 Each collect() reads the stat (ppid, start time) of the job's tree — found through the kernel's
 per-thread `children` lists, with a scan of every /proc/*/stat at the first look, every 10 s and
 for --match — resolves the targets, walks their descendants, and reads per process and per
-thread what a stall diagnosis needs: state letter, wait channel, syscall, kernel stack, context switches, CPU, I/O counters, open files and TCP
-sockets. The probe keeps a little state between ticks so that rules can stay stateless: how long
-each task has been in its state, in D, without a context switch, and without I/O.
+thread what a stall diagnosis needs: state letter, wait channel, syscall, kernel stack, context
+switches, CPU, I/O counters, open files and TCP sockets. The probe keeps a little state between
+ticks so that rules can stay stateless: how long each task has been in its state, in D, without a
+context switch, and without I/O.
 
 A tick reads only what can have changed (issue 17): every thread's schedstat, kept open and
 re-read with pread (kernel/procfiles.py); stat, wait channel, syscall, stack, status and sched
@@ -26,7 +27,8 @@ import os
 import re
 import threading
 from pathlib import Path
-from typing import Callable, Mapping, Protocol, Sequence, TypeVar
+from typing import Literal, Protocol, TypeVar
+from collections.abc import Callable, Mapping, Sequence
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.kernel import procfs
@@ -86,9 +88,9 @@ class ProcessesProbe(TreeWalk, ThreadReader):
     ) -> None:
         """known_starts pins explicit pids to a start time (a re-attaching daemon knows it), so a
         reused pid is never adopted; known_names is what the caller last knew them by, reported
-        when one is gone before a tick saw it (else a crash reads "crash:  (pid N)"). self_pid is excluded from --match, with its ancestors (the
-        shell that runs us has the pattern in its command line too); it defaults to our own pid
-        when reading the real /proc."""
+        when one is gone before a tick saw it (else a crash reads "crash:  (pid N)"). self_pid is
+        excluded from --match, with its ancestors (the shell that runs us has the pattern in its
+        command line too); it defaults to our own pid when reading the real /proc."""
         self.roots, self.clock = roots, clock
         # Paths are built as strings: this probe opens thousands of /proc files a tick and
         # pathlib's joins cost more than the reads (bench/: docs/performance.md).
@@ -457,8 +459,8 @@ class ProcessesProbe(TreeWalk, ThreadReader):
                 rc = self._noted.pop((pid, start), None)
                 if rc is None:
                     rc = self._noted.pop((pid, None), None)
-                source = ("waitpid" if rc is not None
-                          else "zombie" if m.returncode is not None else None)
+                source: Literal["waitpid", "zombie"] | None = (
+                    "waitpid" if rc is not None else "zombie" if m.returncode is not None else None)
                 self._exits.append(_Exit(
                     pid=pid, start_ticks=start, role=m.role, noticed_mono=now, noticed_at=wall,
                     comm=m.comm, cmdline=m.cmdline, start_time=m.start_time, last_state=m.state,

@@ -6,17 +6,29 @@ _syscalls, read_stacks and its _optional, _track, _has_schedstat and _kept_or_no
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from enum import Enum
+from typing import Any
+
 from stallwatch.kernel import procfs
-from stallwatch.kernel.roots import Absent, Denied
+from stallwatch.kernel.procfiles import ProcFiles, ProcPaths
+from stallwatch.kernel.roots import Absent, Denied, Roots
 from stallwatch.probes.processes_obs import ThreadObs
 from stallwatch.probes.processes_state import _ThreadMemo, _Tick
-from stallwatch.probes.runqueue import schedstat_or_none
+from stallwatch.probes.runqueue import RunQueueTracker, schedstat_or_none
 
 # An idle thread's stat is re-read one tick in this many (in turn, by tid): the bound on how long
 # a letter changed from outside (a wake-up not yet given a CPU) or a comm renamed by another
 # thread goes unseen; see ProcessesProbe._thread.
 STAT_EVERY_TICKS = 8
-_UNREAD = object()  # a thread's schedstat not read by the tree walk this tick
+class _Unread(Enum):
+    """A thread's schedstat not read by the tree walk this tick (a sentinel the type checker
+    narrows on `is`)."""
+
+    UNREAD = 0
+
+
+_UNREAD = _Unread.UNREAD
 
 # Syscalls whose first argument is the fd they wait on, so a blocked thread can be tied to a file
 # or socket ("write on /data/x.ckpt", "recvfrom on the socket to :30000").
@@ -30,6 +42,23 @@ FD_SYSCALLS = frozenset({
 
 
 class ThreadReader:
+    # The probe's state and steps this part uses (ProcessesProbe.__init__ sets the state; the
+    # steps are TreeWalk's and ProcessesProbe's own).
+    roots: Roots
+    read_stacks: bool
+    _paths: ProcPaths
+    _kept: ProcFiles
+    _memos: dict[tuple[int, int], _ThreadMemo]
+    _tck: int
+    _runq: RunQueueTracker
+    _syscalls: Mapping[int, str]
+    _tick_tracks: int
+    _pd: Callable[..., str]
+    _has_schedstat: Callable[[int], bool]
+    _kept_or_none: Callable[[str], bytes | None]
+    _optional: Callable[..., Any]
+    _track: Callable[..., Any]
+
     def _thread(self, pid: int, tid: int, fds: dict[int, str] | None,
                 tick: _Tick) -> ThreadObs | None:
         """One thread, reading only what can have changed since the last tick.

@@ -9,14 +9,40 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from typing import Iterable
+import re
+from collections.abc import Iterable
 
 from stallwatch.kernel import procfs
-from stallwatch.kernel.roots import Absent, Denied
-from stallwatch.probes.processes_state import _Tick, uid_of
+from stallwatch.clock import Clock
+from stallwatch.kernel.procfiles import ProcFiles, ProcPaths
+from stallwatch.kernel.roots import Absent, Denied, Roots
+from stallwatch.probes.processes_state import _Member, _ThreadMemo, _Tick, uid_of
 
 
 class TreeWalk:
+    # The probe's state this part reads and keeps (ProcessesProbe.__init__ sets it).
+    roots: Roots
+    clock: Clock
+    match_uid: int | None
+    _paths: ProcPaths
+    _kept: ProcFiles
+    _match: re.Pattern[str] | None
+    _explicit: tuple[int, ...]
+    _self_pid: int | None
+    _first_collect: bool
+    _wide: bool
+    _full_scan_at: float | None
+    _children_ok: bool | None
+    _schedstat_ok: bool | None
+    _stat_cache: dict[str, tuple[str, procfs.Stat]]
+    _job: dict[int, int]
+    _missing: set[int]
+    _members: dict[tuple[int, int], _Member]
+    _memos: dict[tuple[int, int], _ThreadMemo]
+    _kids: dict[tuple[int, int], tuple[bytes, list[int]]]
+    _tid_lists: dict[tuple[int, int], list[int]]
+    _cmdlines: dict[tuple[int, int, str], tuple[str, ...]]
+
     def _pd(self, pid: int, tid: int | None = None) -> str:
         """A process's or a thread's /proc directory (kernel/procfiles.ProcPaths)."""
         return self._paths.pid(pid) if tid is None else self._paths.task(pid, tid)
