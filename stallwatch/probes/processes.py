@@ -27,7 +27,7 @@ import os
 import re
 import threading
 from pathlib import Path
-from typing import Literal, Protocol, TypeVar
+from typing import Literal, Protocol, TypeVar, cast
 from collections.abc import Callable, Mapping, Sequence
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
@@ -280,7 +280,8 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             denied.add(signal)
             return None
         hit = self._parsed_before.get(path)
-        value = hit[1] if hit is not None and hit[0] == raw else parse(raw.decode("utf-8", "replace"))
+        # a path is always parsed by the same parser: its cached value is a T
+        value = cast(T, hit[1]) if hit is not None and hit[0] == raw else parse(raw.decode("utf-8", "replace"))
         self._parsed[path] = (raw, value)
         return value
 

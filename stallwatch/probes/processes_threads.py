@@ -57,6 +57,7 @@ class ThreadReader:
     _has_schedstat: Callable[[int], bool]
     _kept_or_none: Callable[[str], bytes | None]
     _optional: Callable[..., Any]
+    _kept_parsed: Callable[..., Any]
     _track: Callable[..., Any]
 
     def _thread(self, pid: int, tid: int, fds: dict[int, str] | None,

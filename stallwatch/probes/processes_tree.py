@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 from collections import deque
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from stallwatch.kernel import procfs
 from stallwatch.clock import Clock
@@ -42,6 +43,7 @@ class TreeWalk:
     _kids: dict[tuple[int, int], tuple[bytes, list[int]]]
     _tid_lists: dict[tuple[int, int], list[int]]
     _cmdlines: dict[tuple[int, int, str], tuple[str, ...]]
+    _kept_parsed: Callable[..., Any]
 
     def _pd(self, pid: int, tid: int | None = None) -> str:
         """A process's or a thread's /proc directory (kernel/procfiles.ProcPaths)."""
