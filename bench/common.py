@@ -26,6 +26,12 @@ from typing import Any
 from collections.abc import Callable, Iterable, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
+# The floor every "× floor" is against, in the one sentence bench/README.md and
+# docs/performance.md give too (issue 17); the results carry it (`overhead.floor_is`).
+FLOOR_IS = ("bench/floor.py: one plain-Python loop that makes, each tick, the reads stallwatch's "
+            "probes make of the same job (the same /proc, /sys, /dev/kmsg, log, disk and outputs "
+            "files, kept open and skipped where stallwatch keeps and skips them), parsing only what "
+            "walking the job's tree needs, with no models, no rules and no database")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -10,8 +10,9 @@ open, re-read with pread), and for a thread that ran or changed state its status
 syscall, stack, sched when it is off-CPU) — what stallwatch reads since issue 17 — the process's
 status, io, cwd, fd table (readlink of each fd, fdinfo of regular files), socket tables when it holds sockets;
 /proc/uptime; the log's new bytes (open, fstat, pread from the remembered offset, close);
-/dev/kmsg's new records; mountinfo, diskstats, the sysfs entries of the watched paths' block
-devices, statvfs of each watched path and /dev/shm (and its listing); the outputs directory's
+/dev/kmsg's new records; mountinfo (kept open, re-read when poll() reports a mount change),
+diskstats, the sysfs entries of the watched paths' block devices (every 60 s), statvfs of each
+watched path and /dev/shm (and its listing when its mtime moved); the outputs directory's
 inotify events, drained with one read(2) per tick (no thread). Only the parsing needed to walk
 the tree (ppid) and to follow the files is done: no models, no rules, no database.
 
@@ -30,6 +31,7 @@ import argparse
 import ctypes
 import errno
 import os
+import select
 import struct
 import sys
 import time
@@ -184,6 +186,15 @@ class Floor:
         except OSError:
             self.kmsg = None
         self.bytes_read = 0
+        # What the disks probe keeps between ticks (issue 17): mountinfo open and re-read when
+        # poll() says a mount changed; each mount's sysfs device entries for 60 s; /dev/shm's
+        # listing while its mtime stays (and it holds no sgl_shm segment).
+        self.mi_fd = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
+        self.mi_poll = select.poll()
+        self.mi_poll.register(self.mi_fd, select.POLLPRI | select.POLLERR)
+        self.mi: bytes | None = None
+        self.devs_at: dict[str, float] = {}
+        self.shm_seen: tuple[int, int] | None = None
         self.full_scan_at = -1e18
         self.kept: dict[str, int] = {}  # path -> descriptor re-read with pread
         self.kept_read: set[str] = set()
@@ -354,7 +365,11 @@ class Floor:
 
     # -- disks
     def tick_disks(self, extra: set[str]) -> None:
-        mi = read("/proc/self/mountinfo", 16 << 20) or b""
+        if self.mi is None or self.mi_poll.poll(0):
+            self.mi = b""
+            while chunk := os.pread(self.mi_fd, 1 << 20, len(self.mi)):
+                self.mi += chunk
+        mi = self.mi
         read("/proc/diskstats", 16 << 20)
         paths = list(dict.fromkeys(self.paths + sorted(extra)))[:16]
         devs: set[str] = set()
@@ -370,7 +385,11 @@ class Floor:
                        key=lambda m: len(m[4]), default=None)
             if best is not None:
                 devs.add(best[2].decode())
+        now = time.monotonic()
         for mm in devs:
+            if now - self.devs_at.get(mm, -1e18) < 60.0:
+                continue
+            self.devs_at[mm] = now
             link = readlink(f"/sys/dev/block/{mm}")
             if link and not mm.startswith("0:"):
                 dev_dir = os.path.normpath(os.path.join("/sys/dev/block", link))
@@ -380,9 +399,14 @@ class Floor:
                 listdir(f"{dev_dir}/slaves")
         try:
             os.statvfs("/dev/shm")
-            with os.scandir("/dev/shm") as it:
-                for _ in it:
-                    pass
+            st = os.stat("/dev/shm")
+            seen = (st.st_ino, st.st_mtime_ns)
+            if seen != self.shm_seen or time.time_ns() - st.st_mtime_ns < 1_000_000_000:
+                sgl = 0
+                with os.scandir("/dev/shm") as it:
+                    for e in it:
+                        sgl += e.name.startswith("sgl_shm")
+                self.shm_seen = seen if not sgl else None
         except OSError:
             pass
 

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import (ROOT, cpu_meter, db_meta, db_query, loadavg, memory, python_for, rnd,
+from bench.common import (FLOOR_IS, ROOT, cpu_meter, db_meta, db_query, loadavg, memory, python_for, rnd,
                           start_daemon, stop, summary, threads_of, wait_for, workdir)
 
 READS = {
@@ -38,8 +38,7 @@ READS = {
                   "I/O, fds, sockets; the log (progress, cadence, tracebacks); the outputs index "
                   "(inotify + reconcile); kernel log; disks (statvfs, diskstats, mountinfo, sysfs); "
                   "GPU via NVML when present; rules, verdict, state database",
-    "floor": "the same /proc, /sys, /dev/kmsg, log bytes and outputs events, without parsing, "
-             "models, rules or a database",
+    "floor": FLOOR_IS,
     "glances": "host-wide CPU and memory only (the `cpu,mem` plugins printed; others still load): "
                "nothing about the job, its threads, log, outputs or disks paths",
     "nvitop": "NVML devices and GPU processes (none here: NVML not found) and host snapshots of the "
@@ -143,7 +142,7 @@ def run(*, warmup_s: float, window_s: float, subwindows: int, interval: float = 
     """job_argv: the watched job (`{out}` and `{log}` are filled in), default extract_like.py;
     floor_args: more arguments for bench/floor.py (`--nvml` on a GPU host)."""
     out: dict[str, Any] = {"interval_s": interval, "warmup_s": warmup_s, "window_s": window_s,
-                           "subwindows": subwindows, "reads": READS}
+                           "subwindows": subwindows, "reads": READS, "floor_is": FLOOR_IS}
     py_peers, why = (ensure_peers(peers_venv, install_peers) if peers_venv else (None, "disabled"))
     out["peers_venv"] = {"path": str(peers_venv) if peers_venv else None, "status": why,
                          "versions": _versions(py_peers) if py_peers else {}}

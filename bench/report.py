@@ -48,6 +48,8 @@ def overhead_md(ov: dict[str, Any], title: str) -> list[str]:
                   (r.get("total") or {}).get("pct_of_core"), r.get("x_floor"), r["rss_mib"], r["pss_mib"],
                   r["threads"], _pair(r["tick_wall_ms"]) if r.get("tick_wall_ms") else "–"]
                  for n, r in ov["rows"].items()]))
+        if ov.get("floor_is"):
+            parts.append(f"The floor (× floor): {ov['floor_is']}.")
         peers = ov.get("peers") or {}
         if peers:
             parts.append("Peers: " + "; ".join(f"{k}: {json.dumps(v)}" for k, v in peers.items())

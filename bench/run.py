@@ -247,6 +247,8 @@ def render(res: dict[str, Any]) -> str:
     parts.append(table("Targets (issue 7) against this run", ["target", "bound", "measured", "met", "note"],
                        [[t["target"], t["bound"], t["measured"], {True: "yes", False: "NO", None: "-"}[t["met"]],
                          t["note"]] for t in res["targets"]]))
+    if (res.get("overhead") or {}).get("floor_is"):
+        parts.append(f"The floor: {res['overhead']['floor_is']}.")
     parts += overhead_tables(res.get("overhead") or {}, "Overhead: watching one healthy job")
     tk = res.get("tick") or {}
     if tk:
