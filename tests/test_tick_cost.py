@@ -168,3 +168,40 @@ def test_a_hot_output_closed_after_writing_is_restated_at_the_slow_cadence(tmp_p
         kept.close()
     finally:
         probe.close()
+
+
+def test_probes_that_cannot_block_run_inline_and_still_report(monkeypatch) -> None:
+    from stallwatch.clock import FakeClock
+    from stallwatch.kernel.nvml import OK, Nvml
+    from stallwatch.probes.collector import Collector
+    from stallwatch.probes.targets import Target
+
+    clock = FakeClock()
+    nv = Nvml(clock=clock)
+    if nv.init() == OK:
+        import pytest
+
+        pytest.skip("NVML works here: the gpu probe must use its worker")
+    assert nv.idle()
+    clock.advance(61.0)  # a retry is due: the next init may load a driver, which can hang
+    assert not nv.idle()
+    if not os.access("/dev/kmsg", os.R_OK):
+        import pytest
+
+        pytest.skip("/dev/kmsg unreadable (not root): the kmsg probe stays in its worker")
+    c = Collector(Target(name="x", pids=(os.getpid(),)), gpu=True)
+    handed: list[list[str]] = []
+    real = c.runner.call_many
+    monkeypatch.setattr(c.runner, "call_many",
+                        lambda calls: handed.append([n for n, _, _ in calls]) or real(calls))
+    try:
+        snaps = [c.tick() for _ in range(3)]
+    finally:
+        c.close()
+    first = [h for h in handed if "processes" in h]  # each tick's first round (disks: its own)
+    assert len(first) == 3
+    assert "kmsg" in first[0] and "gpu" in first[0]  # not open, not tried yet: workers
+    assert first[1:] == [["processes"], ["processes"]], handed
+    for s in snaps:
+        assert [r.name for r in s.probes] == ["processes", "gpu", "kmsg", "disks"]
+        assert s.kernel is not None and s.kernel.status == "ok" and s.gpu is not None

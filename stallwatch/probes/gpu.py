@@ -211,6 +211,11 @@ class GpuProbe:
         self._seq = 0
         self._drain_error: str | None = None
 
+    def cannot_block(self) -> bool:
+        """No NVML (no library, no driver) and no retry due: collect() makes no driver call, so
+        the collector runs it inline, without a worker-thread handoff (issue 17)."""
+        return isinstance(self.nvml, Nvml) and self.nvml.idle() and not self._lock.locked()
+
     def collect(self) -> GpuObs:
         now = self._clock.time()
         # A previous collect stuck in the driver holds the lock; answer rather than queue up.

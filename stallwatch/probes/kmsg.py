@@ -82,6 +82,11 @@ class KmsgReader:
     def is_open(self) -> bool:
         return self._fd is not None
 
+    @property
+    def is_device(self) -> bool:
+        """Open on /dev/kmsg (O_NONBLOCK: a read never waits), not on a file of records."""
+        return self._fd is not None and not self._is_file
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
@@ -172,6 +177,12 @@ class KernelLogProbe:
 
     def close(self) -> None:
         self._reader.close()
+
+    def cannot_block(self) -> bool:
+        """Once /dev/kmsg is open, a collect is non-blocking reads of a character device: the
+        collector runs it inline, without a worker-thread handoff (issue 17). A file of records
+        (a capture) could sit on a filesystem that hangs: a worker then, as every probe."""
+        return self._reader.is_device
 
     def collect(self) -> KernelLogObs:
         common: dict[str, Any] = dict(source=str(self.roots.kmsg), history=self._reader.history)
