@@ -84,7 +84,7 @@ class Collector:
         # a worker-thread handoff costs more than its work (issue 17: ~0.07 ms a probe a tick).
         probes = [p for p in self.probes() if p is not self.disks]
         inline = {p.name: run_inline(p.name, p.collect, self.clock) for p in probes
-                  if getattr(p, "cannot_block", None) is not None and p.cannot_block()}
+                  if (cannot_block := getattr(p, "cannot_block", None)) is not None and cannot_block()}
         first = [(p.name, p.collect, self.deadline_s) for p in probes if p.name not in inline]
         ran = dict(zip([c[0] for c in first], self.runner.call_many(first), strict=True))
         results = {p.name: ran[p.name] if p.name in ran else inline[p.name] for p in probes}
