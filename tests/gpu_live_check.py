@@ -159,7 +159,7 @@ def main() -> int:
     timings["fast_collect_median"] = statistics.median(ds)
     timings["fast_collect_max"] = max(ds)
     t = time.perf_counter()
-    probe._slow_at = None  # force one slow sample to time it
+    probe._slow_mono = None  # force one slow sample to time it
     probe.collect()
     timings["slow_collect"] = time.perf_counter() - t
 

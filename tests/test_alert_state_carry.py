@@ -50,11 +50,11 @@ def test_pending_timer_and_firing_alert_carry_across_a_reload(tmp_path: Path) ->
     new = Evaluator(ruleset(tmp_path, hang("x != 0", "10s", labels), "r2.toml"))
     assert new.carry_from(old) == 1
     r = new.evaluate({"x": 1}, 110.0)  # 10 s after it went pending, not 4 s after the reload
-    assert state(r) == "firing" and r.alerts[0].active_at == 100.0 and r.verdict.kind == "hang"
+    assert state(r) == "firing" and r.alerts[0].active_mono == 100.0 and r.verdict.kind == "hang"
     newer = Evaluator(ruleset(tmp_path, hang("x != 0", "30s", labels), "r3.toml"))
     newer.carry_from(new)
     r = newer.evaluate({"x": 1}, 111.0)
-    assert state(r) == "firing" and r.alerts[0].fired_at == 110.0 and not r.transitions
+    assert state(r) == "firing" and r.alerts[0].fired_mono == 110.0 and not r.transitions
     # other labels are another instance: it does not inherit the timer
     r = newer.evaluate({"x": 2}, 112.0)
     assert {a.labels["gpu"]: a.state.value for a in r.alerts} == {"1": "resolved", "2": "pending"}
@@ -86,7 +86,7 @@ def test_a_for_timer_resumes_after_a_restart_without_counting_the_outage(tmp_pat
     # down at 1_700_000_004 (4 s pending), back 60 s later; a new boot's monotonic clock at 7
     assert ev.restore(docs, 1_700_000_004.0, 1_700_000_064.0) == 1
     r = ev.evaluate({"x": True}, 7.0)
-    assert state(r) == "pending" and r.alerts[0].active_at == 3.0 and not r.transitions
+    assert state(r) == "pending" and r.alerts[0].active_mono == 3.0 and not r.transitions
     assert state(ev.evaluate({"x": True}, 12.9)) == "pending"
     assert state(ev.evaluate({"x": True}, 13.0)) == "firing"  # 4 s before + 6 s after
 
@@ -95,14 +95,14 @@ def test_restore_is_bounded(tmp_path: Path) -> None:
     docs = _saved(tmp_path)
     late = Evaluator(ruleset(tmp_path, hang("x")))
     assert late.restore(docs, 1_700_000_004.0, 1_700_000_004.0 + FOR_OUTAGE_TOLERANCE_S + 1) == 0
-    assert late.evaluate({"x": True}, 7.0).alerts[0].active_at == 7.0  # starts over
+    assert late.evaluate({"x": True}, 7.0).alerts[0].active_mono == 7.0  # starts over
     false_now = Evaluator(ruleset(tmp_path, hang("x")))
     assert false_now.restore(docs, 1_700_000_004.0, 1_700_000_010.0) == 1
     assert state(false_now.evaluate({"x": False}, 7.0)) is None  # needs fresh evidence
     once = Evaluator(ruleset(tmp_path, hang("x")))
     once.restore(docs, 1_700_000_004.0, 1_700_000_010.0)
     once.evaluate({"x": False}, 7.0)
-    assert once.evaluate({"x": True}, 8.0).alerts[0].active_at == 8.0  # only the first tick
+    assert once.evaluate({"x": True}, 8.0).alerts[0].active_mono == 8.0  # only the first tick
     with pytest.raises(ValueError):
         once.restore([{**docs[0], "state": "stuck"}], 1_700_000_004.0, 1_700_000_010.0)
 
@@ -116,7 +116,7 @@ def test_a_firing_alert_is_restored_firing(tmp_path: Path) -> None:
     back = Evaluator(ruleset(tmp_path, hang("x", "2s")))
     back.restore(docs, 1003.0, 1030.0)
     r = back.evaluate({"x": True}, 50.0)
-    assert state(r) == "firing" and r.alerts[0].fired_at == 49.0 and not r.transitions
+    assert state(r) == "firing" and r.alerts[0].fired_mono == 49.0 and not r.transitions
     assert r.verdict.kind == "hang"
 
 

@@ -48,7 +48,7 @@ def test_pending_then_firing_after_for(tmp_path: Path) -> None:
     r = ev.evaluate({"x": True}, clock.monotonic())
     assert states(r) == {"hang": "firing"} and moves(r) == [("hang", "pending", "firing")]
     alert = r.alerts[0]
-    assert (alert.active_at, alert.fired_at, alert.since) == (100.0, 110.0, 110.0)
+    assert (alert.active_mono, alert.fired_mono, alert.since) == (100.0, 110.0, 110.0)
     assert r.verdict.kind == "hang" and r.verdict.summary == "hang fired"
 
 
@@ -67,7 +67,7 @@ def test_one_false_evaluation_restarts_the_pending_timer(tmp_path: Path) -> None
     ev.evaluate({"x": True}, 7.0)
     assert states(ev.evaluate({"x": True}, 16.9)) == {"hang": "pending"}
     r = ev.evaluate({"x": True}, 17.0)
-    assert states(r) == {"hang": "firing"} and r.alerts[0].active_at == 7.0
+    assert states(r) == {"hang": "firing"} and r.alerts[0].active_mono == 7.0
 
 
 def test_resolution_retention_and_refiring(tmp_path: Path) -> None:
@@ -76,12 +76,12 @@ def test_resolution_retention_and_refiring(tmp_path: Path) -> None:
     ev.evaluate({"x": True}, 10.0)
     r = ev.evaluate({"x": False}, 11.0)
     assert states(r) == {"hang": "resolved"} and moves(r) == [("hang", "firing", "resolved")]
-    assert (r.alerts[0].fired_at, r.alerts[0].resolved_at) == (10.0, 11.0)
+    assert (r.alerts[0].fired_mono, r.alerts[0].resolved_mono) == (10.0, 11.0)
     assert r.transitions[0].alert.state == R and r.verdict.kind == "unknown"
     assert states(ev.evaluate({"x": False}, 71.0)) == {"hang": "resolved"}  # 60 s retention
     assert states(ev.evaluate({"x": False}, 71.5)) == {}
     r = ev.evaluate({"x": True}, 80.0)  # a fresh instance, not the old one revived
-    assert states(r) == {"hang": "pending"} and r.alerts[0].active_at == 80.0
+    assert states(r) == {"hang": "pending"} and r.alerts[0].active_mono == 80.0
 
 
 def test_refiring_within_retention_starts_a_new_pending_instance(tmp_path: Path) -> None:
@@ -91,7 +91,7 @@ def test_refiring_within_retention_starts_a_new_pending_instance(tmp_path: Path)
     ev.evaluate({"x": False}, 11.0)
     r = ev.evaluate({"x": True}, 12.0)
     assert states(r) == {"hang": "pending"}
-    assert moves(r) == [("hang", "inactive", "pending")] and r.alerts[0].fired_at is None
+    assert moves(r) == [("hang", "inactive", "pending")] and r.alerts[0].fired_mono is None
 
 
 def test_keep_firing_for_holds_then_resolves(tmp_path: Path) -> None:
@@ -102,7 +102,7 @@ def test_keep_firing_for_holds_then_resolves(tmp_path: Path) -> None:
     r = ev.evaluate({"x": False}, 29.9)
     assert states(r) == {"io": "firing"} and r.verdict.kind == "hang"
     r = ev.evaluate({"x": False}, 30.0)
-    assert states(r) == {"io": "resolved"} and r.alerts[0].resolved_at == 30.0
+    assert states(r) == {"io": "resolved"} and r.alerts[0].resolved_mono == 30.0
 
 
 def test_keep_firing_clock_resets_when_the_condition_returns(tmp_path: Path) -> None:
@@ -242,7 +242,7 @@ def test_evaluate_once_ignores_for_and_leaves_state_alone(tmp_path: Path) -> Non
     strict = ev.evaluate_once({"x": True}, ignore_for=False)
     assert states(strict) == {"hang": "pending"} and strict.verdict.kind == "unknown"
     r = ev.evaluate({"x": True}, 1.0)
-    assert states(r) == {"hang": "pending"} and r.alerts[0].active_at == 0.0
+    assert states(r) == {"hang": "pending"} and r.alerts[0].active_mono == 0.0
 
 
 def test_time_must_not_go_backwards(tmp_path: Path) -> None:

@@ -49,9 +49,9 @@ def test_for_and_keep_firing_for_invariants(for_s: float, keep_s: float,
         alert = result.alerts[0] if result.alerts else None
 
         # Never firing before `for` seconds of continuous truth...
-        if state == F and alert is not None and alert.fired_at == t:
+        if state == F and alert is not None and alert.fired_mono == t:
             assert cond and run_start is not None and t - run_start >= for_s
-            assert alert.active_at == run_start
+            assert alert.active_mono == run_start
         # ...and always firing after.
         if cond and run_start is not None and t - run_start >= for_s:
             assert state == F

@@ -195,9 +195,9 @@ class KillOperation:
         self._refused_keys: set[tuple] = set()
         self._errors: list[str] = []
         self._survivors: tuple[Survivor, ...] = ()
-        self._entered_at: float | None = None  # monotonic time the current state began
-        self._started_at: float | None = None
-        self._finished_at: float | None = None
+        self._entered_mono: float | None = None  # monotonic time the current state began
+        self._started_wall: float | None = None
+        self._finished_wall: float | None = None
         self._group_ok = False
 
     # ------------------------------------------------------------------------------ public API
@@ -238,8 +238,8 @@ class KillOperation:
     def report(self) -> KillReport:
         return KillReport(
             state=self.state, targets=self.targets, pgid=self.pgid, dry_run=self.dry_run,
-            grace_s=self.grace_s, kill_wait_s=self.kill_wait_s, started_at=self._started_at,
-            finished_at=self._finished_at, history=tuple(self._history),
+            grace_s=self.grace_s, kill_wait_s=self.kill_wait_s, started_at=self._started_wall,
+            finished_at=self._finished_wall, history=tuple(self._history),
             signals=tuple(self._signals), refused=tuple(self._refused),
             adopted=tuple(self._adopted), survivors=self._survivors, errors=tuple(self._errors),
         )
@@ -248,12 +248,12 @@ class KillOperation:
 
     def _step(self) -> None:
         now = self.clock.monotonic()
-        if self._started_at is None:
-            self._started_at = self.clock.time()
-            self._entered_at = now
+        if self._started_wall is None:
+            self._started_wall = self.clock.time()
+            self._entered_mono = now
         alive = self._observe()
         self._survivors = tuple(self._survivor(s) for s in alive)
-        held = now - (self._entered_at if self._entered_at is not None else now)
+        held = now - (self._entered_mono if self._entered_mono is not None else now)
 
         if not alive:
             gone = "every tracked process is gone" if self.state is not KillState.start \
@@ -287,9 +287,9 @@ class KillOperation:
     def _move(self, to: KillState, now: float, reason: str) -> None:
         self._history.append(KillTransition(from_state=self.state, to_state=to, at=now,
                                             wall=self.clock.time(), reason=reason))
-        self.state, self._entered_at = to, now
+        self.state, self._entered_mono = to, now
         if to is KillState.done:
-            self._finished_at = self.clock.time()
+            self._finished_wall = self.clock.time()
 
     def _who(self, alive: list[_Seen]) -> str:
         pids = ", ".join(str(s.pid) for s in alive[:8]) + (" ..." if len(alive) > 8 else "")

@@ -116,8 +116,8 @@ class SinkStats:
     rate_limited: int = 0
     filtered: int = 0
     last_error: str | None = None
-    last_error_at: float | None = None
-    last_success_at: float | None = None
+    last_error_wall: float | None = None
+    last_success_wall: float | None = None
     consecutive_failures: int = 0
 
 
@@ -217,7 +217,7 @@ class _Runner:
         if len(self.queue) >= self.cfg.queue_size:
             self.stats.dropped += 1
             self.stats.last_error = f"queue full ({self.cfg.queue_size} events): event dropped"
-            self.stats.last_error_at = self.d.clock.time()
+            self.stats.last_error_wall = self.d.clock.time()
             log.error("alert sink %s: queue full (%d); dropped %s %s %s", self.name,
                       self.cfg.queue_size, event.job, event.kind, event.state)
             return
@@ -251,7 +251,7 @@ class _Runner:
             else:
                 self.stats.failed += 1
             self.stats.last_error = why
-            self.stats.last_error_at = self.d.clock.time()
+            self.stats.last_error_wall = self.d.clock.time()
             self.stats.consecutive_failures += 1
             self.cond.notify_all()
         log.error("alert to %s failed (%s %s %s, %d attempt%s): %s", self.name, event.job,
@@ -279,7 +279,7 @@ class _Runner:
                 else:
                     with self.cond:
                         self.stats.sent += 1
-                        self.stats.last_success_at = d.clock.time()
+                        self.stats.last_success_wall = d.clock.time()
                         self.stats.consecutive_failures = 0
                         self.cond.notify_all()
                     log.info("alert sent to %s: %s %s %s%s", self.name, event.job, event.kind,
@@ -305,7 +305,7 @@ class _Runner:
                 with self.cond:
                     self.stats.retries += 1
                     self.stats.last_error = why
-                    self.stats.last_error_at = d.clock.time()
+                    self.stats.last_error_wall = d.clock.time()
                     if not in_retry:
                         self.stats.retrying += 1
                         in_retry = True
@@ -338,8 +338,8 @@ class _Runner:
             "queued": sum(1 for x in self.queue if x is not _STOP),
             "open_incidents": len(self.open),
             "last_error": redact(s.last_error) if s.last_error else None,
-            "last_error_at": s.last_error_at,
-            "last_success_at": s.last_success_at,
+            "last_error_at": s.last_error_wall,
+            "last_success_at": s.last_success_wall,
         }
 
 
@@ -480,7 +480,7 @@ class AlertDispatcher:
                 if left:
                     r.stats.dropped += left
                     r.stats.last_error = f"{left} event(s) not delivered before shutdown"
-                    r.stats.last_error_at = self.clock.time()
+                    r.stats.last_error_wall = self.clock.time()
                     log.error("alert sink %s: %d event(s) not delivered before shutdown", r.name, left)
                     r.queue.clear()
                     r.queue.append(_STOP)

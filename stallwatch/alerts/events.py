@@ -36,8 +36,9 @@ class AlertEvent(Frozen):
     host: str = ""
     incident_id: int | None = None  # with job and kind: the de-duplication key of one incident
     episode: int = 0  # how many times this job had an incident of this kind before
-    started_at: float | None = None  # Unix seconds
-    resolved_at: float | None = None
+    # Public keys (docs/contract.md): `*_at` here is wall-clock Unix seconds, as in every JSON key.
+    started_at: float | None = None  # when the incident opened, Unix seconds
+    resolved_at: float | None = None  # Unix seconds
     at: float = 0.0  # when this event was produced, Unix seconds
     progress: ProgressInfo | None = None
     actions: tuple[str, ...] = ()  # what stallwatch did: "evidence: /var/lib/...", "killed", ...

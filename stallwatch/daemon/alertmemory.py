@@ -53,20 +53,20 @@ class AlertMemory:
         self._alerts: list[dict[str, Any]] | None = None
         self._health: list[dict[str, str]] | None = None
 
-    def restore(self, evaluator: Evaluator, down_at: float | None, now_wall: float) -> int:
+    def restore(self, evaluator: Evaluator, down_wall: float | None, now_wall: float) -> int:
         """Hand the previous daemon's timers to `evaluator`; a row that cannot be read is logged
         and ignored (timers start over), never a reason not to start."""
         raw = self.db.get_meta(alerts_key(self.job))
-        if not raw or down_at is None:
+        if not raw or down_wall is None:
             return 0
         try:
             docs = json.loads(raw)
-            kept = evaluator.restore(docs, float(down_at), now_wall)
+            kept = evaluator.restore(docs, float(down_wall), now_wall)
         except (ValueError, TypeError, KeyError) as e:
             log.warning("job %s: the saved alert state cannot be read (%s): timers start over",
                         self.job, e)
             return 0
-        outage_s = max(0.0, now_wall - float(down_at))
+        outage_s = max(0.0, now_wall - float(down_wall))
         log.info("job %s: %d of %d saved alert timer(s) restored after %.1f s without a daemon",
                  self.job, kept, len(docs), outage_s)
         self._alerts = docs

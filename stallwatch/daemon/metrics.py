@@ -225,9 +225,9 @@ class HistogramView(_View):
 
 class DaemonView(_View):
     version: str = __version__
-    started_at: float | None = None  # Unix seconds
+    started_wall: float | None = None  # Unix seconds
     interval_s: float | None = None  # the configured tick interval
-    last_tick_at: float | None = None  # Unix seconds of the end of the last tick
+    last_tick_wall: float | None = None  # Unix seconds of the end of the last tick
     tick_duration_s: float | None = None  # the last tick's
     tick_histogram: HistogramView | None = None
     probe_runs: dict[str, dict[str, int]] = Field(default_factory=dict)  # probe -> status -> n
@@ -256,11 +256,11 @@ class DaemonStats:
         self._lock = threading.Lock()
         self.version = version
         self.interval_s = interval_s
-        self.started_at = self._now()
+        self.started_wall = self._now()
         self._bounds = tuple(sorted(float(b) for b in buckets))
         self._counts = [0] * (len(self._bounds) + 1)
         self._sum = 0.0
-        self._last_tick_at: float | None = None
+        self._last_tick_wall: float | None = None
         self._last_tick_s: float | None = None
         self._probe_runs: dict[str, dict[str, int]] = {}
         self._probe_dur: dict[str, float] = {}
@@ -280,7 +280,7 @@ class DaemonStats:
             self._counts[i] += 1
             self._sum += d
             self._last_tick_s = d
-            self._last_tick_at = at if at is not None else self._now()
+            self._last_tick_wall = at if at is not None else self._now()
         self.probes(reports)
 
     def probes(self, reports: Iterable[Any]) -> None:
@@ -304,8 +304,8 @@ class DaemonStats:
         with self._lock:
             hist = HistogramView(bounds=self._bounds, counts=tuple(self._counts), sum=self._sum)
             return DaemonView(
-                version=self.version, started_at=self.started_at, interval_s=self.interval_s,
-                last_tick_at=self._last_tick_at, tick_duration_s=self._last_tick_s,
+                version=self.version, started_wall=self.started_wall, interval_s=self.interval_s,
+                last_tick_wall=self._last_tick_wall, tick_duration_s=self._last_tick_s,
                 tick_histogram=hist,
                 probe_runs={k: dict(v) for k, v in self._probe_runs.items()},
                 probe_duration_s=dict(self._probe_dur),
@@ -425,16 +425,16 @@ def _daemon_families(d: DaemonView) -> list[Metric]:
                              labels=["version", "python"])
     info.add_metric([d.version, platform.python_version()], 1.0)
     out.append(info)
-    if d.started_at is not None:
+    if d.started_wall is not None:
         out.append(GaugeMetricFamily("stallwatch_start_time_seconds",
-                                     "Unix time the daemon started.", value=d.started_at))
+                                     "Unix time the daemon started.", value=d.started_wall))
     if d.interval_s is not None:
         out.append(GaugeMetricFamily("stallwatch_tick_interval_seconds",
                                      "The configured tick interval.", value=d.interval_s))
-    if d.last_tick_at is not None:
+    if d.last_tick_wall is not None:
         out.append(GaugeMetricFamily("stallwatch_last_tick_timestamp_seconds",
                                      "Unix time the last tick ended: a hung tick loop stops it.",
-                                     value=d.last_tick_at))
+                                     value=d.last_tick_wall))
     if d.tick_duration_s is not None:
         out.append(GaugeMetricFamily("stallwatch_tick_last_duration_seconds",
                                      "How long the last tick took.", value=d.tick_duration_s))

@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in FORWARDED:
         signal.signal(s, forward)
 
-    started_at = time.time()
+    started_wall = time.time()
     try:
         proc, failed = _start(cmd, opts)
     except OSError as e:
@@ -193,14 +193,14 @@ def main(argv: list[str] | None = None) -> int:
             failed = f"cannot start: {failed}"
         print(f"stallwatch wrap: {failed}", file=sys.stderr, flush=True)
         write_status(status_file, {**base, "state": "exited", "pid": None, "start_ticks": None,
-                                   "pgid": None, "started_at": started_at,
+                                   "pgid": None, "started_at": started_wall,
                                    "ended_at": time.time(), "returncode": code,
                                    "exit_code": code, "signal": None, "error": failed})
         return code
     child["pid"] = proc.pid
     child["pgid"] = proc.pid
     running = {**base, "state": "running", "pid": proc.pid, "start_ticks": start_ticks(proc.pid),
-               "pgid": proc.pid, "started_at": started_at}
+               "pgid": proc.pid, "started_at": started_wall}
     try:
         write_status(status_file, running)
     except OSError as e:

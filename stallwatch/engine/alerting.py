@@ -93,10 +93,12 @@ class Alert(Frozen):
     warning: bool = False
     labels: dict[str, str] = Field(default_factory=dict)
     state: AlertState
+    # Times are the caller's monotonic `now` (see `Evaluator.evaluate`); `export` turns them
+    # into wall-clock anchors for the state database.
     since: float                 # when the current state began
-    active_at: float             # when it went pending
-    fired_at: float | None = None
-    resolved_at: float | None = None
+    active_mono: float           # when it went pending
+    fired_mono: float | None = None
+    resolved_mono: float | None = None
     summary: str = ""
     evidence: tuple[EvidenceItem, ...] = ()
     advice: tuple[str, ...] = ()
@@ -158,10 +160,10 @@ class _Instance:
     rule: Rule
     labels: tuple[tuple[str, str], ...]
     state: AlertState = AlertState.UNKNOWN
-    active_at: float = 0.0
+    active_mono: float = 0.0
     since: float = 0.0
-    fired_at: float | None = None
-    resolved_at: float | None = None
+    fired_mono: float | None = None
+    resolved_mono: float | None = None
     keep_firing_since: float | None = None
     text: _Text = field(default_factory=_Text)
     shot: Alert | None = None  # snapshot() until the state, the text or the rule changes
@@ -179,11 +181,11 @@ class _Instance:
             raise ValueError(f"alert {self.rule.name}: no edge {before.value} -> {to.value}")
         self.state, self.since, self.shot = to, at, None
         if to == AlertState.PENDING:
-            self.active_at = at
+            self.active_mono = at
         elif to == AlertState.FIRING:
-            self.fired_at = at
+            self.fired_mono = at
         elif to == AlertState.RESOLVED:
-            self.resolved_at = at
+            self.resolved_mono = at
         return before
 
     def snapshot(self) -> Alert:
@@ -191,8 +193,8 @@ class _Instance:
             r, t = self.rule, self.text
             self.shot = Alert(rule=r.name, kind=r.kind, severity=r.severity,
                               priority=r.priority, warning=r.warning, labels=dict(self.labels),
-                              state=self.state, since=self.since, active_at=self.active_at,
-                              fired_at=self.fired_at, resolved_at=self.resolved_at,
+                              state=self.state, since=self.since, active_mono=self.active_mono,
+                              fired_mono=self.fired_mono, resolved_mono=self.resolved_mono,
                               summary=t.summary, evidence=t.evidence, advice=t.advice,
                               cause=t.cause)
         return self.shot
@@ -284,16 +286,16 @@ class Evaluator:
                 continue
             doc: dict[str, Any] = {"rule": name, "labels": dict(labels),
                                    "state": inst.state.value,
-                                   "active_at": round(now_wall - (now - inst.active_at), 3)}
-            if inst.fired_at is not None:
-                doc["fired_at"] = round(now_wall - (now - inst.fired_at), 3)
+                                   "active_at": round(now_wall - (now - inst.active_mono), 3)}
+            if inst.fired_mono is not None:
+                doc["fired_at"] = round(now_wall - (now - inst.fired_mono), 3)
             out.append(doc)
         return out
 
-    def restore(self, docs: list[dict[str, Any]], down_at: float, now_wall: float, *,
+    def restore(self, docs: list[dict[str, Any]], down_wall: float, now_wall: float, *,
                 tolerance_s: float = FOR_OUTAGE_TOLERANCE_S) -> int:
         """Give a restarted daemon the timers of `export`'s docs, saved by a daemon that last
-        evaluated at wall time `down_at`. Bounded, after Prometheus' RestoreForState:
+        evaluated at wall time `down_wall`. Bounded, after Prometheus' RestoreForState:
         - an outage longer than `tolerance_s` restores nothing (timers start over);
         - the outage itself does not count as pending time: nothing was observed then, so a
           timer resumes where it stopped (Prometheus shifts activeAt by the outage too);
@@ -301,7 +303,7 @@ class Evaluator:
           evaluation after the restart, with the same rule name and labels: a restored firing
           alert stays firing on fresh evidence, never on old evidence alone.
         Raises ValueError for a doc with an unknown state. Returns the timers kept."""
-        outage_s = max(0.0, now_wall - down_at)
+        outage_s = max(0.0, now_wall - down_wall)
         saved: dict[_Key, _Saved] = {}
         for d in docs:
             state = AlertState(d["state"])
@@ -310,8 +312,8 @@ class Evaluator:
             labels = tuple(sorted((str(k), str(v)) for k, v in dict(d["labels"]).items()))
             fired = d.get("fired_at") if state == AlertState.FIRING else None
             saved[(str(d["rule"]), labels)] = _Saved(
-                active_s=max(0.0, down_at - float(d["active_at"])),
-                firing_s=None if fired is None else max(0.0, down_at - float(fired)))
+                active_s=max(0.0, down_wall - float(d["active_at"])),
+                firing_s=None if fired is None else max(0.0, down_wall - float(fired)))
         if outage_s > tolerance_s:
             return 0
         self._restore = {k: v for k, v in saved.items() if k[0] in self._order}
@@ -501,14 +503,14 @@ class Evaluator:
                 del self._active[key]
                 transitions.append(_transition(inst, inst.enter(AlertState.INACTIVE, now), now))
             elif inst.state == AlertState.RESOLVED:
-                if now - (inst.resolved_at or now) > self.resolved_retention_s:
+                if now - (inst.resolved_mono or now) > self.resolved_retention_s:
                     del self._active[key]
             elif inst.state == AlertState.FIRING and not keep:
                 transitions.append(_transition(inst, inst.enter(AlertState.RESOLVED, now), now))
             return
         inst.keep_firing_since = None
         hold = 0.0 if self.ignore_for else rule.for_s
-        if inst.state == AlertState.PENDING and now - inst.active_at >= hold:
+        if inst.state == AlertState.PENDING and now - inst.active_mono >= hold:
             transitions.append(_transition(inst, inst.enter(AlertState.FIRING, now), now))
 
 

@@ -108,7 +108,7 @@ class Nvml:
         self._init_wait_s = init_wait_s
         self._retry_after_s = retry_after_s
         self._lock = threading.Lock()
-        self._tried_at: float | None = None
+        self._tried_mono: float | None = None
         self._reason_by_code: dict[int, str] = {}
         # per tuple of versioned names: the one that answered (call_first)
         self._spelling: dict[tuple[str, ...], str] = {}
@@ -141,9 +141,9 @@ class Nvml:
             if self.status == OK:
                 return OK
             now = self._clock.monotonic()
-            if self._tried_at is not None and now - self._tried_at < self._retry_after_s:
+            if self._tried_mono is not None and now - self._tried_mono < self._retry_after_s:
                 return self.status or ERROR
-            self._tried_at = now
+            self._tried_mono = now
             return self._init_locked()
         finally:
             self._lock.release()
@@ -176,7 +176,7 @@ class Nvml:
         with self._lock:
             if self.status == OK:
                 self.call("nvmlShutdown")
-            self.status, self._tried_at = None, None
+            self.status, self._tried_mono = None, None
             self._spelling.clear()  # a later init may meet another driver
 
     # -- calls --------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ class ProcFiles:
         self.keep = keep  # sweeps a descriptor survives unread
         self._fds: dict[str, int] = {}
         self._sweeps = 0
-        self._read_at: dict[str, int] = {}  # path -> the sweep count when it was last read
+        self._read_sweep: dict[str, int] = {}  # path -> the sweep count when it was last read
         # The probe is replaced when a job restarts; its descriptors must not outlive it.
         self._finalizer = weakref.finalize(self, _close_all, self._fds)
 
@@ -78,7 +78,7 @@ class ProcFiles:
         except OSError as e:
             self.release(path)
             _raise_mapped(e, path)
-        self._read_at[path] = self._sweeps
+        self._read_sweep[path] = self._sweeps
         return data
 
     def sweep(self) -> None:
@@ -89,15 +89,15 @@ class ProcFiles:
         if self._sweeps % self.keep:
             return
         oldest = self._sweeps - self.keep
-        for path in [p for p, n in self._read_at.items() if n < oldest]:
-            del self._read_at[path]
+        for path in [p for p, n in self._read_sweep.items() if n < oldest]:
+            del self._read_sweep[path]
             fd = self._fds.pop(path, None)
             if fd is not None:
                 os.close(fd)
 
     def release(self, path: str) -> None:
         """Close this file's descriptor now (its owner knows the task is gone)."""
-        self._read_at.pop(path, None)
+        self._read_sweep.pop(path, None)
         fd = self._fds.pop(path, None)
         if fd is not None:
             os.close(fd)

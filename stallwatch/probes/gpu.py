@@ -204,7 +204,7 @@ class GpuProbe:
         self._system: dict[str, Any] | None = None
         self._devices: dict[int, _Device] = {}
         self._by_handle: dict[Any, int] = {}
-        self._slow_at: float | None = None
+        self._slow_mono: float | None = None
         self._event_set: Any = None
         self._event_set_error: str | None = None
         self._events: deque[XidEventObs] = deque(maxlen=keep_events)
@@ -254,11 +254,11 @@ class GpuProbe:
             self._event_set, self._event_set_error = es.value if es.ok else None, es.reason
         mono = self._clock.monotonic()
         slow = self._slow_every_s is not None and math.isfinite(self._slow_every_s) and (
-            self._slow_at is None or mono - self._slow_at >= self._slow_every_s)
+            self._slow_mono is None or mono - self._slow_mono >= self._slow_every_s)
         inline = slow and not self._slow_background
         devices = [self._device(i, inline, now) for i in range(count.value)]
         if slow:
-            self._slow_at = mono
+            self._slow_mono = mono
             if self._slow_background:
                 self._start_slow()
         self._drain(now)

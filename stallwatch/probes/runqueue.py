@@ -32,7 +32,7 @@ class RunQueueObs(Frozen):
 @dataclass(slots=True)
 class _Stretch:
     since: float
-    seen_at: float
+    seen_mono: float
     samples: int
     voluntary: int
     cpu_ticks: int
@@ -46,7 +46,7 @@ class RunQueueTracker:
     def __init__(self, clk_tck: int) -> None:
         self._tck = clk_tck
         self._stretches: dict[object, _Stretch] = {}
-        self._pruned_at = 0.0
+        self._pruned_mono = 0.0
 
     def step(self, key: object, now: float, state: str, voluntary: int, utime_ticks: int,
              stime_ticks: int, sched: tuple[int, int] | None) -> RunQueueObs:
@@ -61,7 +61,7 @@ class RunQueueTracker:
             s = self._stretches[key] = _Stretch(now, now, 1, voluntary, cpu, utime_ticks, sched)
         else:
             s.samples += 1
-            s.seen_at = now
+            s.seen_mono = now
         wall = now - s.since
         if s.samples < 2 or wall <= 0:
             return RunQueueObs(runnable_for_s=0.0, samples=s.samples, cpu_share=None,
@@ -78,10 +78,10 @@ class RunQueueTracker:
                            user_share=d_user / d_cpu if d_cpu > 0 else None)
 
     def _prune(self, now: float) -> None:
-        if now - self._pruned_at < self.FORGET_S:
+        if now - self._pruned_mono < self.FORGET_S:
             return
-        self._pruned_at = now
-        for k in [k for k, s in self._stretches.items() if now - s.seen_at > self.FORGET_S]:
+        self._pruned_mono = now
+        for k in [k for k, s in self._stretches.items() if now - s.seen_mono > self.FORGET_S]:
             del self._stretches[k]
 
 

@@ -382,8 +382,8 @@ class _MetricsState:
         self._lock = threading.Lock()
         self._prev: tuple[dict[str, float], float] | None = None
         self._obs: tuple[dict[str, Any], float] | None = None  # fields of the last MetricsObs, and when
-        self._progress_changed_at: float | None = None
-        self._gauges_changed_at: float | None = None
+        self._progress_changed_mono: float | None = None
+        self._gauges_changed_mono: float | None = None
         self._last_gauges: dict[str, float] | None = None
 
     def update(self, answer: _Answer, now: float) -> None:
@@ -408,10 +408,10 @@ class _MetricsState:
         prev = self._prev
         self._prev = (counters, now)
         if self._last_gauges != gauges:
-            self._gauges_changed_at = now
+            self._gauges_changed_mono = now
         self._last_gauges = gauges
         if prev is None:
-            self._progress_changed_at = now
+            self._progress_changed_mono = now
             return out
         before, t0 = prev
         dt = now - t0
@@ -424,12 +424,12 @@ class _MetricsState:
             elif dt > 0:
                 rates[name] = (value - before[name]) / dt
         moved = any(counters.get(n) != before.get(n) for n in PROGRESS_COUNTERS if n in counters)
-        if moved or resets or self._progress_changed_at is None:
-            self._progress_changed_at = now
+        if moved or resets or self._progress_changed_mono is None:
+            self._progress_changed_mono = now
         tracked = any(n in counters for n in PROGRESS_COUNTERS)
         out.update(
             interval_s=dt if dt > 0 else None, rates_per_s=rates, counter_resets=tuple(resets),
-            progress_unchanged_for_s=now - self._progress_changed_at if tracked else None,
+            progress_unchanged_for_s=now - self._progress_changed_mono if tracked else None,
             gauges_possibly_stale=tracked and not moved and any(gauges.get(g, 0) > 0 for g in WORK_GAUGES),
         )
         return out
@@ -439,11 +439,11 @@ class _MetricsState:
             if self._obs is None:
                 return None
             fields, at = self._obs
-            gauges_changed_at = self._gauges_changed_at
+            gauges_changed_mono = self._gauges_changed_mono
         now = self._clock.monotonic()
         extra: dict[str, Any] = dict(age_s=now - at)
-        if fields.get("ok") and gauges_changed_at is not None:
-            extra["gauges_unchanged_for_s"] = at - gauges_changed_at
+        if fields.get("ok") and gauges_changed_mono is not None:
+            extra["gauges_unchanged_for_s"] = at - gauges_changed_mono
         return MetricsObs(**fields, **extra)
 
 

@@ -67,7 +67,7 @@ class ServerLogProbe:
         self._discovered = False
         self._how = ""
         self._state = LogState()
-        self._seen_at: dict[int, float] = {}  # id(event) -> when read
+        self._seen_mono: dict[int, float] = {}  # id(event) -> when read
         self._lines = 0
         # pid -> rank label of the schedulers seen alive: SGLang's crash line names a rank by its
         # index (scheduler_2), and by the time it is read the tree may be gone.
@@ -106,12 +106,12 @@ class ServerLogProbe:
                 ev = parse_line(line)
                 if ev is not None:
                     self._state.feed(ev)
-                    self._seen_at.setdefault(id(ev), now)
+                    self._seen_mono.setdefault(id(ev), now)
             self._lines += len(res.lines)
         st = self._state
         live = {id(e) for e in (st.watchdog, st.soft_watchdog, st.crashed, st.sigquit, st.exception,
                                 st.health_failed, st.args) if e is not None}
-        self._seen_at = {k: v for k, v in self._seen_at.items() if k in live}
+        self._seen_mono = {k: v for k, v in self._seen_mono.items() if k in live}
         args = st.args
         return ServerLogObs(
             **base, lines_read=self._lines, starts=st.starts,
@@ -128,7 +128,7 @@ class ServerLogProbe:
         rank = ev.rank or (self._labels.get(ev.pid, "") if ev.pid is not None else "")
         return ServerLogEvent(kind=ev.kind, line=ev.line, rank=rank, timeout_s=ev.timeout_s, soft=ev.soft,
                               name=ev.name, pid=ev.pid, exit_code=ev.exit_code,
-                              age_s=now - self._seen_at.get(id(ev), now))
+                              age_s=now - self._seen_mono.get(id(ev), now))
 
 
 def stdio_log(files: tuple, how_pid: int) -> tuple[str, str] | None:

@@ -54,7 +54,7 @@ class _Bar:
     total: float | None = None
     samples: int | None = None  # processed + skipped from the postfix
     postfix: dict = field(default_factory=dict)
-    changed_at: float = 0.0
+    changed_mono: float = 0.0
     max_gap_s: float = 0.0  # the longest wait between two changes of this bar
     changes: int = 0
     closed: bool = False
@@ -120,11 +120,11 @@ class MultiBars:
         if bar is None:
             if len(self._bars) >= MAX_BARS:
                 return False
-            bar = self._bars[ups] = _Bar(position=ups, changed_at=now)
+            bar = self._bars[ups] = _Bar(position=ups, changed_mono=now)
         done = float(ev.done)
         if bar.total is not None and total is not None and total != bar.total:
             # a different bar at this position: a restarted run; start it over
-            bar.done, bar.changes, bar.max_gap_s, bar.changed_at = 0.0, 0, 0.0, now
+            bar.done, bar.changes, bar.max_gap_s, bar.changed_mono = 0.0, 0, 0.0, now
             bar.closed = False
         elif bar.closed or done < bar.done:
             return False  # cut from its escapes by another rank's write: not this bar's
@@ -138,8 +138,8 @@ class MultiBars:
         if done == bar.done and bar.changes:
             return False
         if bar.changes:
-            bar.max_gap_s = max(bar.max_gap_s, now - bar.changed_at)
-        bar.done, bar.changed_at = done, now
+            bar.max_gap_s = max(bar.max_gap_s, now - bar.changed_mono)
+        bar.done, bar.changed_mono = done, now
         bar.changes += 1
         return True
 
@@ -151,15 +151,15 @@ class MultiBars:
         open_bars = [b for b in self._bars.values() if not b.closed and b.total == total]
         if not open_bars:
             return False
-        bar = max(open_bars, key=lambda b: (b.done, b.changed_at))
+        bar = max(open_bars, key=lambda b: (b.done, b.changed_mono))
         bar.closed = True
         pf = {k: v for k, v in ev.postfix.items() if isinstance(v, (int, float, str))}
         if pf:
             bar.postfix = pf
         moved = bar.done != total
         if moved:
-            bar.max_gap_s = max(bar.max_gap_s, now - bar.changed_at)
-            bar.done, bar.changed_at = total, now
+            bar.max_gap_s = max(bar.max_gap_s, now - bar.changed_mono)
+            bar.done, bar.changed_mono = total, now
             bar.changes += 1
         return moved
 
@@ -179,7 +179,7 @@ class MultiBars:
         needed = self.desc == SPECFORGE_DESC
         complete = n > 0 and all(b.closed for b in bars) and (not needed or self.closing_lines >= n)
         out = [BarObs(position=b.position, done=b.done, total=b.total, samples=b.samples,
-                      postfix=b.postfix, idle_s=max(0.0, now - b.changed_at),
+                      postfix=b.postfix, idle_s=max(0.0, now - b.changed_mono),
                       max_gap_s=b.max_gap_s, complete=b.closed) for b in bars]
         return BarSet(desc=self.desc, bars=tuple(out), closes=self.closes,
                       closing_lines=self.closing_lines, closing_needed=needed, complete=complete)
