@@ -124,7 +124,7 @@ class Nvml:
     def idle(self) -> bool:
         """True while a failed init is not due for a retry and no init is running: init() then
         only returns the status it has, touching no driver (the gpu probe runs inline then)."""
-        tried = self._tried_at
+        tried = self._tried_mono
         return (self.status not in (None, OK) and tried is not None and not self._lock.locked()
                 and self._clock.monotonic() - tried < self._retry_after_s)
 
