@@ -51,9 +51,20 @@ summary = "{log.idle_s}"
 """
 
 
-def _rules(tmp_path: Path) -> RuleSet:
+# A conjunct that fails once the one before it is true: `false && error` is false, and only then
+# may the evaluator skip it (inputs.conjuncts).
+GUARDED = """
+[[rule]]
+name = "guarded"
+kind = "slow"
+condition = "log.idle_s > 3 && job.nope > 1 && job.alive"
+summary = "never"
+"""
+
+
+def _rules(tmp_path: Path, extra: str = "") -> RuleSet:
     path = tmp_path / "r.toml"
-    path.write_text(RULES)
+    path.write_text(RULES + extra)
     return load_rules([path])
 
 
@@ -79,7 +90,7 @@ ticks = st.lists(st.fixed_dictionaries({
 @settings(max_examples=150, deadline=None)
 @given(timeline=ticks)
 def test_skipping_unchanged_rules_changes_nothing(tmp_path_factory, timeline) -> None:
-    rules = _rules(tmp_path_factory.mktemp("r"))
+    rules = _rules(tmp_path_factory.mktemp("r"), GUARDED)
     cached, full = Evaluator(rules, resolved_retention_s=5), Evaluator(rules, resolved_retention_s=5)
     t = 0.0
     for s in timeline:
@@ -116,8 +127,18 @@ def test_a_rule_whose_inputs_did_not_change_is_not_evaluated_again(tmp_path, mon
     # ...and time alone still moves the timers: `for = 2s` fired without an evaluation.
     assert second.verdict.kind == "hang" and [e.rule for e in second.errors] == ["missing"]
     judged.clear()
+    # `whole` reads all of `log`, but it is false for its first conjunct, `size(job) > 4`,
+    # which reads `job` alone: not evaluated again while `job` stays...
     ev.evaluate({**data, "log": {"idle_s": 4, "other": 7}}, 3.0)
-    assert sorted(judged) == ["missing", "whole"]  # `whole` reads all of `log`
+    assert sorted(judged) == ["missing"]
+    judged.clear()
+    # ...and again once that conjunct is true: then the second one is the first false one.
+    wide = {**data, "job": {**data["job"], "extra": 1}}
+    ev.evaluate({**wide, "log": {"idle_s": 4, "other": 8}}, 3.5)
+    assert sorted(judged) == ["missing", "whole"]  # `stall` reads job.alive, not all of job
+    judged.clear()
+    ev.evaluate({**wide, "log": {"idle_s": 4, "other": 9}}, 4.0)
+    assert sorted(judged) == ["missing", "whole"]
 
 
 def test_a_value_cel_refuses_still_fails_every_rule(tmp_path) -> None:

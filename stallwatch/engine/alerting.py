@@ -27,7 +27,8 @@ from stallwatch.model import Frozen
 from stallwatch.vocab import SEVERITY_RANK
 
 from .expr import ExprEvalError, Vars, normalise
-from .inputs import Paths, merge, paths, pick
+from .expr import Expr
+from .inputs import Paths, conjuncts, merge, paths, pick
 from .rulefile import Rule, RuleSet
 
 __all__ = [
@@ -208,6 +209,8 @@ class _Memo:
     labels: tuple[tuple[str, str], ...]
     text_in: dict[str, Any] | None = None  # while active: what its labels and texts read
     text: _Text | None = None
+    # While inactive: what its first false conjunct and those before it read (inputs.conjuncts)
+    prefix: tuple[Paths, dict[str, Any]] | None = None
 
     def kept_text(self) -> _Text:
         return self.text or _Text()  # set whenever it was active
@@ -218,6 +221,8 @@ class _Reads:
     cond: Paths    # what the condition reads
     text: Paths    # what the labels, summary, evidence, advice and cause read
     every: Paths
+    # The condition's `&&` conjuncts, each with what it and those before it read
+    conj: tuple[tuple[Expr, Paths], ...] = ()
 
 
 def _reads(rule: Rule) -> _Reads:
@@ -227,7 +232,12 @@ def _reads(rule: Rule) -> _Reads:
     for tpl in (*rule.advice, *((rule.cause,) if rule.cause is not None else ())):
         exprs += tpl.exprs
     cond, text = paths([rule.condition]), paths(exprs)
-    return _Reads(cond, text, merge(cond, text))
+    conj: list[tuple[Expr, Paths]] = []
+    upto: Paths = {}
+    for c in conjuncts(rule.condition):
+        upto = merge(upto, paths([c]))
+        conj.append((c, upto))
+    return _Reads(cond, text, merge(cond, text), tuple(conj))
 
 
 _Key = tuple[str, tuple[tuple[str, str], ...]]
@@ -396,8 +406,12 @@ class Evaluator:
         for rule in self.rules:
             reads, memo = self._reads[rule.name], self._memo.get(rule.name)
             cond_in = pick(data, reads.cond)
-            if memo is not None and (memo.cond_in != cond_in or (
-                    memo.active and memo.text_in != pick(data, reads.text))):
+            if memo is not None and memo.cond_in != cond_in:
+                if memo.prefix is not None and pick(data, memo.prefix[0]) == memo.prefix[1]:
+                    memo.cond_in = cond_in  # false still: its first false conjunct says so
+                else:
+                    memo = None
+            elif memo is not None and memo.active and memo.text_in != pick(data, reads.text):
                 memo = None
             plan.append((rule, memo, cond_in))
             if memo is None:
@@ -426,10 +440,11 @@ class Evaluator:
 
             self._apply(rule, active, labels, text, now, transitions)
             if len(errors) == n_errors:  # a rule that failed is evaluated again next tick
+                reads = self._reads[rule.name]
                 self._memo[rule.name] = _Memo(
-                    cond_in, active, labels,
-                    pick(data, self._reads[rule.name].text) if active else None,
-                    texts[-1] if texts else None)
+                    cond_in, active, labels, pick(data, reads.text) if active else None,
+                    texts[-1] if texts else None,
+                    None if active else _first_false(reads.conj, env, data))
 
     def _union(self, names: tuple[str, ...]) -> Paths:
         union = self._unions.get(names)
@@ -526,6 +541,21 @@ def _transition(inst: _Instance, before: AlertState, now: float) -> Transition:
 
 def _error(rule: Rule, where: str, exc: ExprEvalError) -> EvalError:
     return EvalError(rule=rule.name, where=where, error=f"{exc.message} in `{exc.source}`")
+
+
+def _first_false(conj: tuple[tuple[Expr, Paths], ...], env: Vars, data: dict[str, Any]
+                 ) -> tuple[Paths, dict[str, Any]] | None:
+    """The first conjunct that is false, after only true ones: what they read, and its slice."""
+    for expr, upto in conj:
+        try:
+            value = expr.evaluate(env)
+        except ExprEvalError:
+            return None
+        if value is False:
+            return upto, pick(data, upto)
+        if value is not True:
+            return None
+    return None
 
 
 def _render_labels(rule: Rule, env: Vars) -> tuple[tuple[str, str], ...]:

@@ -21,12 +21,13 @@ not from every variable: building it is what an evaluation costs (0.3 ms for a h
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 from collections.abc import Iterable, Mapping
 
-from .expr import Expr
+from .expr import Expr, ExprError, _tokens, compile_expr
 
-__all__ = ["Paths", "expr_paths", "merge", "paths", "pick"]
+__all__ = ["Paths", "conjuncts", "expr_paths", "merge", "paths", "pick"]
 
 # A trie of variable paths: key -> the keys read below it, or None for "the whole node".
 Paths = dict[str, "Paths | None"]
@@ -62,6 +63,45 @@ def merge(a: Paths, b: Paths) -> Paths:
         else:
             out[key] = merge(out[key], sub)  # type: ignore[arg-type]
     return out
+
+
+def conjuncts(expr: Expr) -> tuple[Expr, ...]:
+    """`a && b && c` as (a, b, c), compiled; () for anything else (a top-level `||` or `?:`
+    binds looser than `&&`, so then there is no such split).
+
+    A condition that was false because its first false conjunct was, with that conjunct and the
+    ones before it (all true) reading what they read then, is false again, whatever the rest
+    reads: CEL's `&&` is false as soon as one side is false, and left to right the evaluation
+    stops there with the same values. The hang rule, false while `activity.working`, is then
+    not evaluated again each tick for its `proc.quiet_s`, which moves every tick."""
+    toks = _tokens(expr.source)
+    depth, cuts = 0, [-1]
+    for i, t in enumerate(toks):
+        if t.kind != "op":
+            continue
+        if t.text in "([{":
+            depth += 1
+        elif t.text in ")]}":
+            depth -= 1
+        elif depth == 0 and t.text in "?:":
+            return ()
+        elif depth == 0 and t.text in "|&" and i + 1 < len(toks) and toks[i + 1].text == t.text:
+            if t.text == "|":
+                return ()
+            cuts.append(i)
+    if len(cuts) < 2:
+        return ()
+    bounds = [*cuts, len(toks)]
+    out = []
+    for a, b in itertools.pairwise(bounds):
+        lo = toks[a + 1 + (a >= 0)].start if a >= 0 else 0  # past the `&&` (two tokens)
+        hi = toks[b].start if b < len(toks) else len(expr.source)
+        part = expr.source[lo:hi]
+        try:
+            out.append(compile_expr(part))
+        except ExprError:
+            return ()
+    return tuple(out)
 
 
 def pick(data: Mapping[str, Any], trie: Paths) -> dict[str, Any]:
