@@ -434,11 +434,11 @@ def test_new_descendants_found_from_the_kernels_children_lists(tmp_path):
         probe = ProcessesProbe(Target(pids=(proc.pid,)), clock=clock)
         first = probe.collect()  # the first look is a full scan
         assert [p.pid for p in first.processes] == [proc.pid]
-        full_at = probe._full_scan_at
+        full_at = probe._full_scan_mono
         go.write_text("")
         kid = int(proc.stdout.readline())
         obs = probe.collect()
-        assert probe._full_scan_at == full_at  # not a full scan
+        assert probe._full_scan_mono == full_at  # not a full scan
         assert kid in [p.pid for p in obs.processes] and only(obs, kid).ppid == proc.pid
         os.kill(kid, 9)
         wait_until(lambda: subprocess.run(["ps", "-o", "stat=", "-p", str(kid)],
@@ -447,4 +447,4 @@ def test_new_descendants_found_from_the_kernels_children_lists(tmp_path):
         assert kid not in [p.pid for p in obs.processes if p.state != "Z"]
         clock.advance(ProcessesProbe.FULL_SCAN_EVERY_S)
         probe.collect()
-        assert probe._full_scan_at == clock.monotonic()  # and the full scan still comes round
+        assert probe._full_scan_mono == clock.monotonic()  # and the full scan still comes round

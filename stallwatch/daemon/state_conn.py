@@ -36,7 +36,7 @@ class _Conn:
         self.active = file_conn
         self.mem: sqlite3.Connection | None = None
         self.degraded: str | None = None
-        self.degraded_at: float | None = None
+        self.degraded_wall: float | None = None
         self._stmts: list[tuple[str, tuple]] | None = None  # the current transaction's writes
 
     def __getattr__(self, name: str) -> Any:
@@ -78,7 +78,7 @@ class _Conn:
             raise e from None
         mem.execute("PRAGMA foreign_keys=ON")
         self.mem, self.active = mem, mem
-        self.degraded, self.degraded_at = f"{type(e).__name__}: {e}", time.time()
+        self.degraded, self.degraded_wall = f"{type(e).__name__}: {e}", time.time()
         log.error("state database cannot be written (%s): the state is kept in memory and the "
                   "watch goes on; it is written back when the file can be written again "
                   "(a daemon restart before then loses what happened since)", self.degraded)
@@ -103,11 +103,11 @@ class _Conn:
         except sqlite3.Error as e:
             log.debug("state database still cannot be written: %s", e)
             return False
-        since = time.time() - (self.degraded_at or time.time())
+        since = time.time() - (self.degraded_wall or time.time())
         log.warning("state database writable again: %.0f s of state kept in memory written back "
                     "(it was: %s)", since, self.degraded)
         self.mem.close()
-        self.mem, self.active, self.degraded, self.degraded_at = None, self.file, None, None
+        self.mem, self.active, self.degraded, self.degraded_wall = None, self.file, None, None
         return True
 
     def close(self) -> None:

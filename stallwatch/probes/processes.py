@@ -101,7 +101,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         self._parsed: dict[str, tuple[bytes, object]] = {}
         self._parsed_before: dict[str, tuple[bytes, object]] = {}
         self._children_ok: bool | None = None  # the kernel has /proc/PID/task/TID/children
-        self._full_scan_at: float | None = None
+        self._full_scan_mono: float | None = None
         self.max_open_files, self.read_stacks = max_open_files, read_stacks
         self.max_threads, self.max_fds_scanned = max_threads, max_fds_scanned
         self.exit_memory_s, self.max_exits = exit_memory_s, max_exits
@@ -164,7 +164,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
                 # It exited before any tick saw it: report it now rather than never.
                 now, wall = self.clock.monotonic(), self.clock.time()
                 self._exits.append(_Exit(
-                    pid=pid, start_ticks=start_ticks, noticed_mono=now, noticed_at=wall,
+                    pid=pid, start_ticks=start_ticks, noticed_mono=now, noticed_wall=wall,
                     role="target" if pid in self._explicit or pid in self._job else "descendant",
                     returncode=returncode, source="waitpid", comm=self._names.get(pid),
                     start_time=self._start_time(start_ticks) if start_ticks is not None else None,
@@ -344,8 +344,8 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         io_unchanged = None
         if io is not None:
             if tr.io_total != io.total:
-                tr.io_total, tr.io_at = io.total, now
-            io_unchanged = now - tr.io_at
+                tr.io_total, tr.io_mono = io.total, now
+            io_unchanged = now - tr.io_mono
         cpu_delta_s = None if cpu_delta is None else cpu_delta / self._tck
         argv = self._argv(pid, st)
         exit_code = None
@@ -359,9 +359,9 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             uid=status.uid if status else None,
             start_ticks=st.start_ticks, start_time=self._start_time(st.start_ticks),
             comm=st.comm, argv=argv, cmdline=" ".join(argv), cwd=cwd,
-            state=st.state, state_since_s=now - tr.state_at,
+            state=st.state, state_since_s=now - tr.state_mono,
             d_state_for_s=d_max,
-            ctx_unchanged_for_s=now - tr.ctx_at, tracked_for_s=now - tr.first_at,
+            ctx_unchanged_for_s=now - tr.ctx_mono, tracked_for_s=now - tr.first_mono,
             last_ran_age_s=ran,
             wchan=leader.wchan if leader else None,
             voluntary_ctxt_switches=ctx_v, nonvoluntary_ctxt_switches=ctx_n,
@@ -463,7 +463,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
                 source: Literal["waitpid", "zombie"] | None = (
                     "waitpid" if rc is not None else "zombie" if m.returncode is not None else None)
                 self._exits.append(_Exit(
-                    pid=pid, start_ticks=start, role=m.role, noticed_mono=now, noticed_at=wall,
+                    pid=pid, start_ticks=start, role=m.role, noticed_mono=now, noticed_wall=wall,
                     comm=m.comm, cmdline=m.cmdline, start_time=m.start_time, last_state=m.state,
                     returncode=rc if rc is not None else m.returncode, source=source,
                 ))
@@ -482,7 +482,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
                 ExitObs(pid=e.pid, start_ticks=e.start_ticks, start_time=e.start_time, role=e.role,
                         comm=e.comm, cmdline=e.cmdline, last_state=e.last_state,
                         returncode=e.returncode, returncode_source=e.source,
-                        noticed_at=e.noticed_at, exited_for_s=now - e.noticed_mono)
+                        noticed_at=e.noticed_wall, exited_for_s=now - e.noticed_mono)
                 for e in keep
             )
 
@@ -498,11 +498,11 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         for path in self._parsed_before.keys() - self._parsed.keys():
             self._kept.release(path)  # a process that left: its kept files go with it
         if len(self._tracks) != self._tick_tracks:
-            self._tracks = {k: v for k, v in self._tracks.items() if v.seen_at == now}
+            self._tracks = {k: v for k, v in self._tracks.items() if v.seen_mono == now}
         if len(self._memos) != tick.memos_seen or len(self._kids) > len(self._memos):
             memos: dict[tuple[int, int], _ThreadMemo] = {}
             for k, m in self._memos.items():
-                if m.seen_at == now:
+                if m.seen_mono == now:
                     memos[k] = m
                 else:  # ended, or no longer examined: its kept descriptors go with it
                     self._kept.release(m.stat_path)

@@ -16,24 +16,24 @@ from stallwatch.probes.processes_obs import Role, ThreadObs
 class _Track:
     """What one task looked like at the last tick, to turn counters into durations."""
 
-    first_at: float
-    seen_at: float
+    first_mono: float
+    seen_mono: float
     state: str
-    state_at: float
+    state_mono: float
     ctx: int
-    ctx_at: float
+    ctx_mono: float
     cpu_ticks: int
     io_total: int | None = None
-    io_at: float = 0.0
+    io_mono: float = 0.0
 
     def step(self, now: float, state: str, ctx: int, cpu_ticks: int) -> tuple[float, int]:
         """Move to this tick; returns (seconds since the last tick, CPU ticks used since)."""
         if state != self.state:
-            self.state, self.state_at = state, now
+            self.state, self.state_mono = state, now
         if ctx != self.ctx:
-            self.ctx, self.ctx_at = ctx, now
-        interval, cpu = now - self.seen_at, cpu_ticks - self.cpu_ticks
-        self.seen_at, self.cpu_ticks = now, cpu_ticks
+            self.ctx, self.ctx_mono = ctx, now
+        interval, cpu = now - self.seen_mono, cpu_ticks - self.cpu_ticks
+        self.seen_mono, self.cpu_ticks = now, cpu_ticks
         return interval, cpu
 
 
@@ -43,7 +43,7 @@ class _Exit:
     start_ticks: int | None
     role: Role
     noticed_mono: float
-    noticed_at: float
+    noticed_wall: float
     comm: str | None = None
     cmdline: str | None = None
     start_time: float | None = None
@@ -75,7 +75,7 @@ class _ThreadMemo:
     obs: ThreadObs
     exec_start_s: float | None  # se.exec_start: fixed while it does not run
     denied: tuple[str, ...]  # signals refused at that reading, reported again with it
-    seen_at: float
+    seen_mono: float
     track: _Track
     stat_path: str
     sched_path: str

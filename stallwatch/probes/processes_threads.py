@@ -158,9 +158,9 @@ class ThreadReader:
         if sc_fd is not None and sc_fd >= 1 << 31:  # not an fd: AT_FDCWD or garbage
             sc_fd = None
         obs = ThreadObs(
-            tid=tid, comm=st.comm, state=st.state, state_since_s=now - tr.state_at,
-            d_state_for_s=now - tr.state_at if st.state == "D" else 0.0,
-            ctx_unchanged_for_s=now - tr.ctx_at,
+            tid=tid, comm=st.comm, state=st.state, state_since_s=now - tr.state_mono,
+            d_state_for_s=now - tr.state_mono if st.state == "D" else 0.0,
+            ctx_unchanged_for_s=now - tr.ctx_mono,
             voluntary_ctxt_switches=ctx[0], nonvoluntary_ctxt_switches=ctx[1],
             utime_s=st.utime_ticks / self._tck, stime_s=st.stime_ticks / self._tck,
             cpu_delta_s=None if cpu_delta is None else cpu_delta / self._tck,
@@ -181,16 +181,16 @@ class ThreadReader:
         the same bytes): its durations move on, nothing else does. No validation: every value
         comes from a reading validated before. The hot loop of a wide job: kept short."""
         now, old, tr = tick.now, memo.obs, memo.track
-        tr.seen_at = now  # _Track.step with the same state, switches and CPU
+        tr.seen_mono = now  # _Track.step with the same state, switches and CPU
         self._tick_tracks += 1
         if memo.denied:
             tick.denied.update(memo.denied)
-        since = now - tr.state_at
+        since = now - tr.state_mono
         sc_fd = old.syscall_fd  # the fd table may have changed under it (another thread's close)
         values = old.__dict__.copy()
         values["state_since_s"] = since
         values["d_state_for_s"] = since if old.state == "D" else 0.0
-        values["ctx_unchanged_for_s"] = now - tr.ctx_at
+        values["ctx_unchanged_for_s"] = now - tr.ctx_mono
         values["cpu_delta_s"] = 0.0
         if sc_fd is not None:
             values["syscall_file"] = fds.get(sc_fd) if fds is not None else None
@@ -198,7 +198,7 @@ class ThreadReader:
             up = tick.uptime_s if tick.uptime_s is not None else self._uptime(tick)
             values["last_ran_age_s"] = None if up < 0 else max(0.0, up - memo.exec_start_s)
         obs = _evolved(old, values)
-        memo.obs, memo.seen_at = obs, now
+        memo.obs, memo.seen_mono = obs, now
         tick.memos_seen += 1
         return obs
 
@@ -214,15 +214,15 @@ class ThreadReader:
         sc_fd = old.syscall_fd  # the fd table may have changed under it (another thread's close)
         obs = _evolve(old, {
             "comm": st.comm,  # another thread can rename it through /proc/PID/task/TID/comm
-            "state_since_s": now - tr.state_at,
-            "d_state_for_s": now - tr.state_at if st.state == "D" else 0.0,
-            "ctx_unchanged_for_s": now - tr.ctx_at,
+            "state_since_s": now - tr.state_mono,
+            "d_state_for_s": now - tr.state_mono if st.state == "D" else 0.0,
+            "ctx_unchanged_for_s": now - tr.ctx_mono,
             "utime_s": st.utime_ticks / self._tck, "stime_s": st.stime_ticks / self._tck,
             "cpu_delta_s": None if cpu_delta is None else cpu_delta / self._tck,
             "syscall_file": fds.get(sc_fd) if fds is not None and sc_fd is not None else None,
             "last_ran_age_s": self._last_ran_age(memo.exec_start_s, tick),
         })
-        memo.obs, memo.stat, memo.sched_raw, memo.seen_at = obs, st, sched, now
+        memo.obs, memo.stat, memo.sched_raw, memo.seen_mono = obs, st, sched, now
         tick.memos_seen += 1
         return obs
 

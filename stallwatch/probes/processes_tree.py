@@ -32,7 +32,7 @@ class TreeWalk:
     _self_pid: int | None
     _first_collect: bool
     _wide: bool
-    _full_scan_at: float | None
+    _full_scan_mono: float | None
     _children_ok: bool | None
     _schedstat_ok: bool | None
     _stat_cache: dict[str, tuple[str, procfs.Stat]]
@@ -62,11 +62,11 @@ class TreeWalk:
         # `children` list of each of its threads.
         if (self._match is None and not self._first_collect and not self._wide
                 and self._children_readable()
-                and self._full_scan_at is not None and now - self._full_scan_at < self.FULL_SCAN_EVERY_S):
+                and self._full_scan_mono is not None and now - self._full_scan_mono < self.FULL_SCAN_EVERY_S):
             stats = self._scan_tree(tick)
             if stats is not None:
                 return stats
-        self._full_scan_at = now
+        self._full_scan_mono = now
         return self._scan_all()
 
     def _children_readable(self) -> bool:
