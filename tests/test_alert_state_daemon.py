@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from stallwatch.daemon.alertmemory import ANCHOR_SLACK_S
-from test_daemon_live import Harness, h, wait_for  # noqa: F401 - h: the harness fixture, shared
+from rigs import wait_until
+from test_daemon_live import Harness, h  # noqa: F401 - h: the harness fixture, shared
 
 # A saved anchor is rewritten only when it moves by more than ANCHOR_SLACK_S (or the state
 # changes); a timer that started over moves it by seconds.
@@ -50,16 +51,16 @@ def _start(h: Harness, rules: str):
 
 def test_a_pending_timer_and_a_firing_alert_survive_sighup(h: Harness) -> None:
     rule_file, daemon = _start(h, _rule("waiting", "1h") + _rule("fired", "1s") + BROKEN)
-    before = wait_for(lambda: (a := _alerts(h)) and a.get("fired", {}).get("state") == "firing"
+    before = wait_until(lambda: (a := _alerts(h)) and a.get("fired", {}).get("state") == "firing"
                       and "waiting" in a and a, 60, "one alert pending, one firing")
     assert before["waiting"]["state"] == "pending"
-    wait_for(lambda: time.time() - before["waiting"]["active_at"] > 2.0, 30, "2 s of pending")
+    wait_until(lambda: time.time() - before["waiting"]["active_at"] > 2.0, 30, "2 s of pending")
     # Changed rule files (other summaries): a reload that builds new rules for the job.
     rule_file.write_text(_rule("waiting", "1h", "still") + _rule("fired", "1s", "still") + BROKEN)
     daemon.send_signal(signal.SIGHUP)
     h.wait_log(r"job extract: new rules: 2 alert\(s\) carried over", 30)
     ticks = h.ticks()
-    wait_for(lambda: h.ticks() > ticks + 3, 30, "ticks after the reload")
+    wait_until(lambda: h.ticks() > ticks + 3, 30, "ticks after the reload")
     after = _alerts(h)
     assert after["waiting"] == before["waiting"], "the pending timer started over"
     assert after["fired"] == before["fired"], "the firing alert went back to pending"
@@ -73,7 +74,7 @@ def test_a_pending_timer_and_a_firing_alert_survive_sighup(h: Harness) -> None:
     # A new `for` shorter than the time already pending: it fires now, from the same timer.
     rule_file.write_text(_rule("waiting", "2s", "still") + _rule("fired", "1s", "still"))
     daemon.send_signal(signal.SIGHUP)
-    fired = wait_for(lambda: (a := _alerts(h)).get("waiting", {}).get("state") == "firing" and a,
+    fired = wait_until(lambda: (a := _alerts(h)).get("waiting", {}).get("state") == "firing" and a,
                      30, "the carried timer to fire under its new `for`")
     assert abs(fired["waiting"]["active_at"] - before["waiting"]["active_at"]) < SAME_S
     assert h.stop(daemon) == 0
@@ -81,8 +82,8 @@ def test_a_pending_timer_and_a_firing_alert_survive_sighup(h: Harness) -> None:
 
 def test_a_for_timer_survives_a_daemon_restart(h: Harness) -> None:
     _, first = _start(h, _rule("waiting", "8s"))
-    pending = wait_for(lambda: _alerts(h).get("waiting"), 60, "the alert pending")
-    wait_for(lambda: h.job()["verdict_at"] - pending["active_at"] >= 3.0, 30, "3 s of pending")
+    pending = wait_until(lambda: _alerts(h).get("waiting"), 60, "the alert pending")
+    wait_until(lambda: h.job()["verdict_at"] - pending["active_at"] >= 3.0, 30, "3 s of pending")
     assert h.stop(first) == 0  # SIGTERM: the job keeps running
     down_at = h.job()["verdict_at"]
     held_s = down_at - pending["active_at"]  # pending time the first daemon saw
@@ -92,13 +93,13 @@ def test_a_for_timer_survives_a_daemon_restart(h: Harness) -> None:
     restarted_at = time.time()
     second = h.start()
     h.wait_log(r"job extract: 1 of 1 saved alert timer\(s\) restored after [\d.]+ s", 30)
-    wait_for(lambda: h.job()["verdict_at"] > restarted_at, 30, "a tick of the new daemon")
+    wait_until(lambda: h.job()["verdict_at"] > restarted_at, 30, "a tick of the new daemon")
     resumed = _alerts(h)["waiting"]
     # The timer resumed where it stopped: the outage is not pending time, the time before is.
     outage_s = resumed["active_at"] - pending["active_at"]
     assert outage_s >= restarted_at - down_at - 1.0, "the outage was counted as pending"
     assert resumed["active_at"] <= h.job()["verdict_at"] - held_s + 1.0, "the timer started over"
-    fired = wait_for(lambda: (a := _alerts(h)["waiting"])["state"] == "firing" and a, 30,
+    fired = wait_until(lambda: (a := _alerts(h)["waiting"])["state"] == "firing" and a, 30,
                      "the alert to fire")
     assert abs(fired["active_at"] - resumed["active_at"]) < SAME_S
     assert fired["fired_at"] - fired["active_at"] >= 8.0  # never early: the outage not counted

@@ -20,19 +20,10 @@ from stallwatch.daemon.core import Daemon
 from stallwatch.daemon.status import exit_code, render_status, status_doc
 from stallwatch.daemon.state import StateDB
 
+from rigs import wait_until
+
 ROOT = Path(__file__).resolve().parents[1]
 WRITER = ROOT / "tests" / "jobs" / "pt_writer.py"
-
-
-def wait_for(probe, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = probe()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def config(tmp_path: Path, extra: str = "") -> Path:
@@ -87,9 +78,9 @@ def test_daemon_in_a_thread(tmp_path: Path) -> None:
             finally:
                 db.close()
 
-        wait_for(lambda: row("writer")["phase"] == "finished", 30, "the writer to finish")
+        wait_until(lambda: row("writer")["phase"] == "finished", 30, "the writer to finish")
         # The command that cannot start: exit 127 from the wrapper, a crash, one restart, given up.
-        wait_for(lambda: row("missing")["phase"] == "stopped", 30, "the missing command given up")
+        wait_until(lambda: row("missing")["phase"] == "stopped", 30, "the missing command given up")
         assert row("missing")["restarts"] == 1 and row("writer")["restarts"] == 0
         assert "restart budget used up" in row("missing")["phase_detail"]
         db = StateDB.open_readonly(state)
@@ -109,7 +100,7 @@ def test_daemon_in_a_thread(tmp_path: Path) -> None:
         assert 'stallwatch_job_restarts_total{job="missing"} 1.0' in metrics
         d.request_reload()  # same file: nothing changes, nothing breaks
         ticks = d.ticks
-        wait_for(lambda: d.ticks > ticks + 2, 10, "ticks after the reload")
+        wait_until(lambda: d.ticks > ticks + 2, 10, "ticks after the reload")
     finally:
         d.request_stop()
         t.join(30)
@@ -137,7 +128,7 @@ def test_dry_run_starts_and_kills_nothing(tmp_path: Path) -> None:
     try:
         assert d.started.wait(30)
         ticks = d.ticks
-        wait_for(lambda: d.ticks > ticks + 3, 10, "a few ticks")
+        wait_until(lambda: d.ticks > ticks + 3, 10, "a few ticks")
     finally:
         d.request_stop()
         t.join(30)
@@ -170,11 +161,11 @@ def test_attached_by_match_is_watched_never_restarted(tmp_path: Path) -> None:
             finally:
                 db.close()
 
-        wait_for(lambda: row()["pid"] == sleeper.pid, 10, "the match to find the process")
+        wait_until(lambda: row()["pid"] == sleeper.pid, 10, "the match to find the process")
         assert row()["phase"] == "attached"
         sleeper.kill()
         sleeper.wait(10)
-        wait_for(lambda: '"unknown"' in row()["verdict_json"] and "exited" in row()["verdict_json"],
+        wait_until(lambda: '"unknown"' in row()["verdict_json"] and "exited" in row()["verdict_json"],
                  10, "the exit to be seen")
         db = StateDB.open_readonly(state)
         doc = status_doc(db, state)

@@ -22,13 +22,12 @@ import time
 import zipfile
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable
 
 import pytest
 
 from stallwatch.actions.filecheck import validate_file
 
-from rigs import live_processes, query_state
+from rigs import live_processes, query_state, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 WRITER = ROOT / "tests" / "jobs" / "pt_writer.py"
@@ -37,17 +36,6 @@ pytestmark = pytest.mark.slow
 
 
 # --------------------------------------------------------------------------------- harness
-
-def wait_for(probe: Callable[[], Any], timeout: float, what: str, every: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = probe()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(every)
-
 
 def fast_rules(dest: Path) -> Path:
     """The built-in rules with small stall thresholds: 3 s without progress, 2 s in D, 1 s `for`."""
@@ -126,14 +114,14 @@ kill_grace_s = 1
                 raise AssertionError(f"the daemon exited ({d.returncode}):\n"
                                      + self.daemon_log()[-3000:])
             return self.phase(name) == phase
-        wait_for(probe, timeout, f"job {name} to be {phase}")
+        wait_until(probe, timeout, f"job {name} to be {phase}")
 
     def daemon_log(self, n: int = -1) -> str:
         n = n if n >= 0 else len(self.daemons) - 1
         return (self.dir / f"daemon-{n}.log").read_text(errors="replace")
 
     def wait_log(self, pattern: str, timeout: float, n: int = -1) -> re.Match:
-        return wait_for(lambda: re.search(pattern, self.daemon_log(n)), timeout,
+        return wait_until(lambda: re.search(pattern, self.daemon_log(n)), timeout,
                         f"daemon log line /{pattern}/")
 
     def stop(self, p: subprocess.Popen, sig: int = signal.SIGTERM) -> int:
@@ -276,7 +264,7 @@ def test_crash_loop_restarted_max_times_then_stopped_with_alert(h: Harness, webh
                    job="max_restarts = 2",
                    alerts=f'[[alert]]\ntype = "webhook"\nurl = "{url}"\nretry_initial_s = 0.2\n')
     daemon = h.start()
-    wait_for(lambda: h.phase() == "stopped", 60, "the job to be given up")
+    wait_until(lambda: h.phase() == "stopped", 60, "the job to be given up")
     j = h.job()
     assert j["restarts"] == 2
     runs = h.q("SELECT * FROM runs ORDER BY id")
@@ -289,7 +277,7 @@ def test_crash_loop_restarted_max_times_then_stopped_with_alert(h: Harness, webh
     give_up, = h.actions("give_up")
     assert "restart budget used up" in give_up["outcome"] and "left stopped" in give_up["outcome"]
     # the alerts: each crash fired; the two that were restarted resolved; the last one says so
-    wait_for(lambda: len(events) >= 5, 20, "five webhook deliveries")
+    wait_until(lambda: len(events) >= 5, 20, "five webhook deliveries")
     assert [(e["kind"], e["state"]) for e in events] == [
         ("crash", "firing"), ("crash", "resolved"), ("crash", "firing"), ("crash", "resolved"),
         ("crash", "firing")]
@@ -297,7 +285,7 @@ def test_crash_loop_restarted_max_times_then_stopped_with_alert(h: Harness, webh
     assert all(e["job"] == "extract" and "evidence" in e for e in events)
     # left stopped: no new run appears while the daemon keeps ticking
     ticks = h.ticks()
-    wait_for(lambda: h.ticks() >= ticks + 8, 20, "eight more ticks")
+    wait_until(lambda: h.ticks() >= ticks + 8, 20, "eight more ticks")
     assert len(h.q("SELECT * FROM runs")) == 3 and scan_writers(str(h.dir)) == []
     assert h.status_json()["jobs"][0]["phase"] == "stopped"
     assert h.stop(daemon) == 0
@@ -346,7 +334,7 @@ def test_a_run_that_stayed_up_resets_the_restart_streak(h: Harness, reset_after:
         assert h.job()["restarts"] == 2
         assert "in 0.4 s" in h.daemon_log()  # the second restart waited twice as long
     else:
-        wait_for(lambda: (h.job() or {}).get("restarts", 0) >= 4, 90, "a fourth restart")
+        wait_until(lambda: (h.job() or {}).get("restarts", 0) >= 4, 90, "a fourth restart")
         assert h.phase() != "stopped" and not h.actions("give_up")
         log = h.daemon_log()
         assert log.count("the restart streak starts over") >= 3, log[-3000:]
@@ -361,11 +349,11 @@ def test_daemon_sigkilled_mid_run_new_daemon_reattaches(h: Harness, tmp_path: Pa
     h.write_config(["--count", "70", "--interval", "0.1", "--crash-at", "3",
                     "--once", str(tmp_path / "fault-fired")], job="max_restarts = 3")
     first = h.start()
-    wait_for(lambda: (j := h.job()) and j["phase"] == "running" and j["restarts"] == 1, 60,
+    wait_until(lambda: (j := h.job()) and j["phase"] == "running" and j["restarts"] == 1, 60,
              "the restarted run")
     run2 = h.q("SELECT * FROM runs ORDER BY id")[-1]
     pid, ticks = run2["pid"], run2["start_ticks"]
-    wait_for(lambda: "10/70" in h.log.read_text(), 30, "some progress of run 2")
+    wait_until(lambda: "10/70" in h.log.read_text(), 30, "some progress of run 2")
     first.kill()  # SIGKILL: no chance to tidy up
     first.wait(30)
     assert _ticks(pid) == ticks, "the job outlives its daemon"
@@ -376,7 +364,7 @@ def test_daemon_sigkilled_mid_run_new_daemon_reattaches(h: Harness, tmp_path: Pa
     h.wait_log(rf"re-attached to pid {pid} ", 30)
     assert h.job()["restarts"] == 1, "the counter survived"
     assert [w[0] for w in scan_writers(str(h.out))] == [pid], "one copy of the job"
-    wait_for(lambda: h.phase() == "finished", 60, "the job to finish under the new daemon")
+    wait_until(lambda: h.phase() == "finished", 60, "the job to finish under the new daemon")
     assert h.job()["restarts"] == 1
     assert len(h.q("SELECT * FROM runs")) == 2, "no second copy was started"
     assert h.q("SELECT returncode FROM runs ORDER BY id")[-1]["returncode"] == 0
@@ -403,14 +391,14 @@ while True:
 def test_reused_pid_is_never_adopted_or_killed(h: Harness, tmp_path: Path) -> None:
     h.write_config(["--count", "1000", "--interval", "0.2"], job="max_restarts = 3")
     first = h.start()
-    wait_for(lambda: h.phase() == "running", 30, "the job to run")
+    wait_until(lambda: h.phase() == "running", 30, "the job to run")
     first.kill()
     first.wait(30)
     run = h.q("SELECT * FROM runs ORDER BY id")[-1]
     # The machine "reboots": the job and its wrapper vanish without a word ...
     os.kill(run["wrapper_pid"], signal.SIGKILL)
     os.killpg(run["pgid"], signal.SIGKILL)
-    wait_for(lambda: _ticks(run["pid"]) is None or _ticks(run["pid"]) != run["start_ticks"], 10,
+    wait_until(lambda: _ticks(run["pid"]) is None or _ticks(run["pid"]) != run["start_ticks"], 10,
              "the job to be gone")
     # ... and an unrelated process now holds the job's pid (same pid, another start time).
     record = tmp_path / "signals.txt"
@@ -433,7 +421,7 @@ def test_reused_pid_is_never_adopted_or_killed(h: Harness, tmp_path: Path) -> No
         second = h.start()
         h.wait_log(rf"pid {stranger.pid} now belongs to another process", 30)
         # The old run is lost (no exit status): a crash incident, and a restart of the job ...
-        wait_for(lambda: len(h.q("SELECT * FROM runs")) == 2 and h.phase() == "running", 30,
+        wait_until(lambda: len(h.q("SELECT * FROM runs")) == 2 and h.phase() == "running", 30,
                  "the job to be started again")
         inc = h.incidents()[-1]
         assert inc["kind"] == "crash" and "lost" in inc["verdict_json"]
@@ -478,7 +466,7 @@ def test_bad_reload_keeps_old_config_and_sd_notify(h: Harness, tmp_path: Path) -
         m = h.wait_log(r"reload failed, keeping the last good configuration: (.*)", 20)
         assert f"{h.cfg}:" in m.group(1) and "job[0].restart" in m.group(1)
         ticks = h.ticks()
-        wait_for(lambda: h.ticks() > ticks + 2, 10, "ticks after the bad reload")
+        wait_until(lambda: h.ticks() > ticks + 2, 10, "ticks after the bad reload")
         assert daemon.poll() is None and h.phase() == "running"
         assert json.loads(h.job()["config_json"])["restart"] == "on-failure"
         assert h.status_json()["daemon"]["last_reload_error"]
@@ -490,7 +478,7 @@ def test_bad_reload_keeps_old_config_and_sd_notify(h: Harness, tmp_path: Path) -
             h.cfg.write_text(good + f'\n[[job]]\nname = "sleeper"\npid_file = "{tmp_path / "sleeper.pid"}"\n')
             daemon.send_signal(signal.SIGHUP)
             h.wait_log(r"reloaded .*: 2 job\(s\)", 20)
-            wait_for(lambda: (j := h.job("sleeper")) and j["pid"] == sleeper.pid, 20,
+            wait_until(lambda: (j := h.job("sleeper")) and j["pid"] == sleeper.pid, 20,
                      "the new job attached")
             st = h.status_json()
             assert [j["name"] for j in st["jobs"]] == ["extract", "sleeper"]
@@ -532,20 +520,20 @@ def test_writer_frozen_in_d_io_stall_no_second_writer_then_resumed(h: Harness,
                        rules=fast_rules(tmp_path / "rules"), outputs=out,
                        job="max_restarts = 2\nstartup_grace_s = 2")
         daemon = h.start()
-        wait_for(lambda: h.log.exists() and "4/30" in h.log.read_text(), 30, "progress")
+        wait_until(lambda: h.log.exists() and "4/30" in h.log.read_text(), 30, "progress")
         (writer, _), = scan_writers(str(out))
         fs.freeze()
         frozen_at = time.monotonic()
         from rigs import wait_for_state
         wait_for_state(writer, "D", 10)
         # io_stall within the bound: 3 s without progress and 2 s in D, `for` 1 s, a tick.
-        wait_for(lambda: [i for i in h.incidents() if i["kind"] == "io_stall"], 30,
+        wait_until(lambda: [i for i in h.incidents() if i["kind"] == "io_stall"], 30,
                  "an io_stall incident")
         detected = time.monotonic() - frozen_at
         assert detected < 12, f"io_stall took {detected:.1f} s"
         assert h.q("SELECT COUNT(*) AS n FROM incidents")[0]["n"] == 1
         # SIGKILL cannot take a task out of D: the kill says so, and the resume waits.
-        note = wait_for(lambda: (i := h.incidents()[0]) and i["note"].startswith("unkillable")
+        note = wait_until(lambda: (i := h.incidents()[0]) and i["note"].startswith("unkillable")
                         and i["note"], 30, "the unkillable note")
         assert f"pid {writer} in D" in note and "resume waits" in note
         ticks = h.ticks()
@@ -555,7 +543,7 @@ def test_writer_frozen_in_d_io_stall_no_second_writer_then_resumed(h: Harness,
             time.sleep(0.05)
         assert h.phase() == "recovering" and h.job()["restarts"] == 0
         fs.thaw()
-        wait_for(lambda: h.phase() == "finished", 60, "the job to finish after the thaw")
+        wait_until(lambda: h.phase() == "finished", 60, "the job to finish after the thaw")
         assert h.job()["restarts"] == 1
         h.assert_outputs_complete(30)
         qdir = h.state / "quarantine" / "extract"
@@ -579,14 +567,14 @@ def test_daemon_killed_during_backoff_resumes_the_recovery_counting_once(h: Harn
                    job="max_restarts = 3")
     h.cfg.write_text(h.cfg.read_text().replace("restart_backoff_s = 0.2", "restart_backoff_s = 60"))
     first = h.start()
-    wait_for(lambda: (j := h.job()) and "backoff" in j["phase_detail"], 30, "the backoff")
+    wait_until(lambda: (j := h.job()) and "backoff" in j["phase_detail"], 30, "the backoff")
     first.kill()
     first.wait(30)
     assert h.job()["restarts"] == 0 and h.phase() == "recovering"
     h.cfg.write_text(h.cfg.read_text().replace("restart_backoff_s = 60", "restart_backoff_s = 0.2"))
     second = h.start()
     h.wait_log(r"resuming the recovery from crash", 30)
-    wait_for(lambda: h.phase() == "finished", 60, "the job to finish")
+    wait_until(lambda: h.phase() == "finished", 60, "the job to finish")
     assert h.job()["restarts"] == 1
     assert len(h.q("SELECT * FROM runs")) == 2
     h.assert_outputs_complete(6)
@@ -602,14 +590,14 @@ def test_a_hanging_job_gives_one_firing_and_one_resolved_alert(h: Harness, webho
                    rules=fast_rules(tmp_path / "rules"), job="startup_grace_s = 1",
                    alerts=f'[[alert]]\ntype = "webhook"\nurl = "{url}"\nretry_initial_s = 0.2\n')
     daemon = h.start()
-    wait_for(lambda: h.log.exists() and "20/200" in h.log.read_text(), 60, "some progress")
-    (pid, _), = wait_for(lambda: scan_writers(str(h.out)), 10, "the writer")
+    wait_until(lambda: h.log.exists() and "20/200" in h.log.read_text(), 60, "some progress")
+    (pid, _), = wait_until(lambda: scan_writers(str(h.out)), 10, "the writer")
     os.kill(pid, signal.SIGSTOP)  # a hang: alive, no progress, not in the kernel
-    wait_for(lambda: any(e["state"] == "firing" for e in events), 60, "the firing alert")
-    wait_for(lambda: any(e["state"] == "resolved" for e in events), 60, "the resolved alert")
+    wait_until(lambda: any(e["state"] == "firing" for e in events), 60, "the firing alert")
+    wait_until(lambda: any(e["state"] == "resolved" for e in events), 60, "the resolved alert")
     h.wait_phase("finished", 120)
     ticks = h.ticks()
-    wait_for(lambda: h.ticks() >= ticks + 4, 20, "a few more ticks after the job finished")
+    wait_until(lambda: h.ticks() >= ticks + 4, 20, "a few more ticks after the job finished")
     hang = [(e["kind"], e["state"]) for e in events if e["kind"] == "hang"]
     assert hang == [("hang", "firing"), ("hang", "resolved")], events
     fired, resolved = [e for e in events if e["kind"] == "hang"]

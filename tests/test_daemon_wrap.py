@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 
 from stallwatch.daemon.supervise import (find_wrapper, identity_alive, read_status, spawn,
                                          systemd_run_argv, use_systemd_run)
+
+from rigs import wait_until
 
 TRAP = """
 import signal, sys, time
@@ -21,17 +22,6 @@ signal.signal(signal.SIGTERM, on)
 print("ready", flush=True)
 time.sleep(60)
 """
-
-
-def wait_for(probe, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = probe()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 def start(tmp_path: Path, argv: list[str]) -> tuple[object, Path, Path]:
@@ -55,7 +45,7 @@ def test_exit_code_and_identity(tmp_path: Path) -> None:
 
 def test_running_status_then_signal_to_the_jobs_group(tmp_path: Path) -> None:
     sp, sf, _log = start(tmp_path, ["sleep", "60"])
-    doc = wait_for(lambda: (d := read_status(sf)) and d.get("state") == "running" and d,
+    doc = wait_until(lambda: (d := read_status(sf)) and d.get("state") == "running" and d,
                    10, "the running status")
     assert identity_alive(doc["pid"], doc["start_ticks"])
     assert find_wrapper(sf) == sp.wrapper_pid
@@ -72,7 +62,7 @@ def test_running_status_then_signal_to_the_jobs_group(tmp_path: Path) -> None:
 def test_wrapper_forwards_sigterm_and_waits(tmp_path: Path) -> None:
     sp, sf, log = start(tmp_path, [sys.executable, "-c", TRAP])
     # The log is opened by the job's first stage (runas), so it appears when the job starts.
-    wait_for(lambda: log.exists() and "ready" in log.read_text(), 10, "the job's handler")
+    wait_until(lambda: log.exists() and "ready" in log.read_text(), 10, "the job's handler")
     os.kill(sp.wrapper_pid, signal.SIGTERM)  # `kill <wrapper>`, `systemctl stop`: reaches the job
     assert sp.popen.wait(30) == 7
     assert "got SIGTERM" in log.read_text()

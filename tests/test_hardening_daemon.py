@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_daemon_live import Harness, fast_rules, scan_writers, wait_for
+from rigs import wait_until
+from test_daemon_live import Harness, fast_rules, scan_writers
 
 pytestmark = pytest.mark.slow
 
@@ -119,7 +120,7 @@ def test_sigkill_at_every_recovery_step_restarts_exactly_once(step: str, tmp_pat
                        rules=fast_rules(tmp_path / "rules"),
                        job="max_restarts = 2\nstartup_grace_s = 2")
         first = start_with_failpoint(h, step)
-        wait_for(lambda: first.poll() is not None, 60, f"the failpoint {step}")
+        wait_until(lambda: first.poll() is not None, 60, f"the failpoint {step}")
         assert first.returncode == -9, h.daemon_log(0)[-3000:]
         assert f"FAILPOINT {step}: SIGKILL" in h.daemon_log(0)
         second = h.start()

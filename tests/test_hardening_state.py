@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_daemon_live import WRITER, Harness, h, scan_writers, wait_for  # noqa: F401 - h: a fixture
+from rigs import wait_until
+from test_daemon_live import WRITER, Harness, h, scan_writers  # noqa: F401 - h: a fixture
 
 from stallwatch.daemon.state import DB_NAME, StateDB
 
@@ -161,7 +162,7 @@ def test_daemon_on_a_corrupt_database_keeps_watching_and_says_so(h: Harness) -> 
     _match_config(h, h.state)
     d = h.start()
     h.wait_log(r"was corrupt .*set aside as .*started afresh", 30)
-    wait_for(lambda: h.ticks() >= 4, 30, "ticks on the fresh database")
+    wait_until(lambda: h.ticks() >= 4, 30, "ticks on the fresh database")
     assert d.poll() is None
     assert "Traceback" not in h.daemon_log()
     assert h.q("SELECT value FROM meta WHERE key = 'state_reset'")[0]["value"]
@@ -172,8 +173,8 @@ def test_corrupt_database_under_a_running_job_adopts_it_never_a_second_copy(
         h: Harness, tmp_path: Path) -> None:
     h.write_config(["--count", "60", "--interval", "0.1"], job="max_restarts = 2")
     first = h.start()
-    wait_for(lambda: h.phase() == "running", 30, "the job to run")
-    wait_for(lambda: h.log.exists() and "5/60" in h.log.read_text(), 30, "progress")
+    wait_until(lambda: h.phase() == "running", 30, "the job to run")
+    wait_until(lambda: h.log.exists() and "5/60" in h.log.read_text(), 30, "progress")
     first.kill()
     first.wait(30)
     (pid, _), = scan_writers(str(h.out))
@@ -196,7 +197,7 @@ def test_corrupt_database_under_a_running_job_adopts_it_never_a_second_copy(
 def test_daemon_started_while_another_process_locks_the_state(h: Harness) -> None:
     _match_config(h, h.state)
     d = h.start()
-    wait_for(lambda: h.ticks() >= 2, 30, "first ticks")
+    wait_until(lambda: h.ticks() >= 2, 30, "first ticks")
     assert h.stop(d) == 0
     locker = Locker(h.state / DB_NAME)
     try:
@@ -210,7 +211,7 @@ def test_daemon_started_while_another_process_locks_the_state(h: Harness) -> Non
         locker.release()
     before = h.ticks()
     h.wait_log(r"state database writable again", 30)
-    wait_for(lambda: h.ticks() > before + 4, 30, "ticks written to the file again")
+    wait_until(lambda: h.ticks() > before + 4, 30, "ticks written to the file again")
     assert h.daemon_log().count("Traceback") == 0
     assert h.stop(d) == 0
 
@@ -232,14 +233,14 @@ def test_full_disk_under_the_state_dir_detects_alerts_and_writes_back(h: Harness
                            job='max_restarts = 1',
                            alerts=f'[[alert]]\ntype = "webhook"\nurl = "{url}"\nretry_initial_s = 0.2\n')
             d = h.start()
-            wait_for(lambda: h.phase() == "running", 30, "the job to run")
+            wait_until(lambda: h.phase() == "running", 30, "the job to run")
             fill_up(mnt / "fill")  # the state dir's filesystem
             # The job crashes at sample 60 with the disk full: detected, alerted, restarted.
-            wait_for(lambda: any(e["kind"] == "crash" and e["state"] == "firing" for e in events),
+            wait_until(lambda: any(e["kind"] == "crash" and e["state"] == "firing" for e in events),
                      60, "the crash alert with the state on a full disk")
             h.wait_log(r"state database cannot be written \(OperationalError: database or disk is "
                        r"full\)", 10)
-            wait_for(lambda: any(e["kind"] == "crash" and e["state"] == "resolved" for e in events),
+            wait_until(lambda: any(e["kind"] == "crash" and e["state"] == "resolved" for e in events),
                      60, "the restart resolving the incident")
             assert d.poll() is None
             log = h.daemon_log()
@@ -247,7 +248,7 @@ def test_full_disk_under_the_state_dir_detects_alerts_and_writes_back(h: Harness
             assert log.count("Traceback") <= 1, log[-3000:]
             (mnt / "fill").unlink()
             h.wait_log(r"state database writable again", 30)
-            wait_for(lambda: h.phase() == "finished", 60, "the job to finish")
+            wait_until(lambda: h.phase() == "finished", 60, "the job to finish")
             inc, = [i for i in h.incidents() if i["kind"] == "crash"]
             assert inc["state"] == "resolved" and h.job()["restarts"] == 1
             assert len(h.q("SELECT * FROM runs")) == 2

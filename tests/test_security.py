@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_daemon_live import WRITER, wait_for
+from rigs import wait_until
+from test_daemon_live import WRITER
 
 from stallwatch.daemon.config import load_config
 from stallwatch.engine import load_rules
@@ -250,9 +251,9 @@ retry_initial_s = 0.05
         d = subprocess.Popen([sys.executable, "-m", "stallwatch", "run", "--config", str(cfg)],
                              stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
     try:
-        wait_for(lambda: "stopped" in log.read_text(errors="replace") and
+        wait_until(lambda: "stopped" in log.read_text(errors="replace") and
                  "give_up" in _actions(state), 60, "the job given up after its restart")
-        wait_for(lambda: "slack" in log.read_text(errors="replace").lower(), 20,
+        wait_until(lambda: "slack" in log.read_text(errors="replace").lower(), 20,
                  "the Slack sink to fail (no network) and say so")
         st = subprocess.run([sys.executable, "-m", "stallwatch", "status", "--json", "--config",
                              str(cfg)], capture_output=True, text=True, timeout=60, env=env)

@@ -8,7 +8,6 @@ import stat
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -18,18 +17,9 @@ from stallwatch.daemon.supervise import identity_alive, read_status
 from stallwatch.errors import UsageError
 from stallwatch.daemon.state import StateDB
 
+from rigs import wait_until
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def wait_for(probe, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = probe()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 def test_created_private_with_wal(tmp_path: Path) -> None:
@@ -134,7 +124,7 @@ def test_restart_intent_killed_before_spawn_is_not_counted(tmp_path: Path) -> No
 def test_restart_intent_killed_after_spawn_is_counted_exactly_once(tmp_path: Path) -> None:
     killed_daemon(tmp_path, "after-spawn", 1)
     sf = tmp_path / "runs" / "job-1.json"
-    doc = wait_for(lambda: (d := read_status(sf)) and d.get("pid") and d, 10, "the wrapper's status")
+    doc = wait_until(lambda: (d := read_status(sf)) and d.get("pid") and d, 10, "the wrapper's status")
     try:
         db = StateDB.open(tmp_path)
         reconcile_intents(db, "job")
