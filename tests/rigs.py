@@ -30,7 +30,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from stallwatch.kernel.roots import Roots
+from stallwatch.kernel import proc
+from stallwatch.kernel.roots import Absent, Denied, Roots
 
 T = TypeVar("T")
 
@@ -91,34 +92,27 @@ class LiveProcess:
     argv: tuple[bytes, ...]
 
 
-def _threads_alive(pid: int) -> bool:
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return False
-    return any(task_state(pid, int(t)) not in (None, "Z", "X") for t in tids)
-
-
 def live_processes(marker: str) -> list[LiveProcess]:
     """Every live process but this one whose command line names `marker` (a test's unique temp
-    path), by pid. A zombie is gone, except a zombie leader with a thread still alive (a writer
-    thread in D outlives its main thread): its files are still open, so it still counts."""
+    path), by pid, read through the package's own /proc layer (kernel/proc.py). A zombie is gone,
+    except a zombie leader with a thread still alive (a writer thread in D outlives its main
+    thread): its files are still open, so it still counts, as it does for stallwatch's kill."""
     want, me, out = os.fsencode(marker), os.getpid(), []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == me:
+    for pid in proc.pids():
+        if pid == me:
             continue
+        p = proc.Proc(pid)
         try:
-            cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
-            if want not in cmdline:
+            argv = p.argv_bytes()
+            if want not in b"\0".join(argv):
                 continue
-            stat = Path(f"/proc/{name}/stat").read_text()
-        except OSError:
-            continue  # gone meanwhile
-        state, ppid = stat[stat.rfind(")") + 2:].split()[:2]
-        if state in "ZX" and not _threads_alive(int(name)):
+            st = p.stat()
+        except (Absent, Denied, OSError, ValueError):
+            continue  # gone meanwhile, or not ours to read
+        if st.state in proc.DEAD_STATES and p.live_thread() is None:
             continue
-        out.append(LiveProcess(int(name), int(ppid), state, tuple(cmdline.split(b"\0")[:-1])))
-    return sorted(out, key=lambda p: p.pid)
+        out.append(LiveProcess(pid, st.ppid, st.state, argv))
+    return out
 
 
 def kill_naming(marker: str) -> None:

@@ -56,14 +56,10 @@ def test_resume_waits_for_the_gpu_memory_of_the_killed_job(tmp_path: Path) -> No
     script = tmp_path / "gpu_job.py"
     script.write_text(JOB)
     try:
-        h.write_config([], rules=fast_rules(tmp_path / "rules"),
-                       job="max_restarts = 1\nstartup_grace_s = 15")
-        text = h.cfg.read_text()
-        start = text.index("command = ")
-        end = text.index("\n", start)
         cmd = [sys.executable, str(script), str(tmp_path / "fault-fired"), "20"]
-        h.cfg.write_text(text[:start] + f"command = {json.dumps(cmd)}" + text[end:])
-        h.cfg.write_text(h.cfg.read_text().replace(f'outputs = "{h.out}"\n', ""))
+        h.write_config([], command=cmd, rules=fast_rules(tmp_path / "rules"),
+                       job="max_restarts = 1\nstartup_grace_s = 15")
+        h.cfg.write_text(h.cfg.read_text().replace(f'outputs = "{h.out}"\n', ""))  # it writes none
         t0 = time.monotonic()
         daemon = h.start()
         h.wait_phase("finished", 180)

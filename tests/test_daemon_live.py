@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import signal
 import socket
@@ -71,8 +72,11 @@ class Harness:
 
     def write_config(self, job_args: list[str], *, rules: Path | None = None, job: str = "",
                      daemon: str = "", alerts: str = "", interval: float = 0.25,
-                     outputs: Path | None = None) -> Path:
-        command = [sys.executable, str(WRITER), "--out", str(outputs or self.out), *job_args]
+                     outputs: Path | None = None, command: list[str] | None = None,
+                     kill_grace_s: float = 1) -> Path:
+        """The daemon's config for one job "extract": pt_writer with `job_args`, or `command`."""
+        command = command or [sys.executable, str(WRITER), "--out", str(outputs or self.out),
+                              *job_args]
         text = f"""
 [daemon]
 interval_s = {interval}
@@ -88,7 +92,7 @@ log = "{self.log}"
 outputs = "{outputs or self.out}"
 restart = "on-failure"
 restart_backoff_s = 0.2
-kill_grace_s = 1
+kill_grace_s = {kill_grace_s}
 {job}
 
 {alerts}
@@ -441,12 +445,29 @@ def test_bad_reload_keeps_old_config_and_sd_notify(h: Harness, tmp_path: Path) -
     sock_path = tmp_path / "notify.sock"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(str(sock_path))
-    sock.settimeout(30)
+    sock.settimeout(0.2)
     msgs: list[dict[str, str]] = []
+    got: queue.Queue[dict[str, str]] = queue.Queue()
+    done = threading.Event()
+
+    def drain() -> None:
+        # The kernel queues at most net.unix.max_dgram_qlen datagrams (10 by default) and the
+        # daemon drops what does not fit (MSG_DONTWAIT): read them as they come, or a test that
+        # spends 2.5 s elsewhere under load (ten WATCHDOGs at 4 ticks/s) loses STOPPING=1.
+        while not done.is_set():
+            try:
+                data = sock.recv(4096)
+            except TimeoutError:
+                continue
+            got.put(dict(line.split("=", 1) for line in data.decode().split("\n")))
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
 
     def expect(key: str) -> dict[str, str]:
+        deadline = time.monotonic() + 30
         while True:
-            m = dict(line.split("=", 1) for line in sock.recv(4096).decode().split("\n"))
+            m = got.get(timeout=max(0.0, deadline - time.monotonic()))  # queue.Empty: late
             msgs.append(m)
             if key in m:
                 return m
@@ -495,6 +516,8 @@ def test_bad_reload_keeps_old_config_and_sd_notify(h: Harness, tmp_path: Path) -
         assert _ticks(pid) is not None and scan_writers(str(h.out)) != []
         assert "jobs left running" in h.daemon_log()
     finally:
+        done.set()
+        reader.join(5)
         sock.close()
 
 

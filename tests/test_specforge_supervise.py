@@ -10,7 +10,6 @@ thread counts the torchrun agents alive for this job at every moment: never two.
 from __future__ import annotations
 
 import io
-import json
 import os
 import signal
 import sys
@@ -83,24 +82,8 @@ def test_deadlocked_rank_kills_the_tree_quarantines_and_resumes_once(h: Harness,
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", str(JOB),
                "--output-path", str(h.out), "--num-samples", str(SAMPLES), "--batch-size", "4",
                "--batch-s", "0.2", "--fault", "deadlock", "--fault-rank", "1", "--fault-batch", "2"]
-    h.cfg.write_text(f"""
-[daemon]
-interval_s = 0.5
-state_dir = "{h.state}"
-rules = ["{fast_rules(tmp_path / 'rules')}"]
-
-[[job]]
-name = "extract"
-command = {json.dumps(command)}
-cwd = "{h.dir}"
-log = "{h.log}"
-outputs = "{h.out}"
-restart = "on-failure"
-restart_backoff_s = 0.2
-kill_grace_s = 2
-max_restarts = 2
-startup_grace_s = 5
-""")
+    h.write_config([], command=command, rules=fast_rules(tmp_path / "rules"), interval=0.5,
+                   kill_grace_s=2, job="max_restarts = 2\nstartup_grace_s = 5")
     watch = TreeWatch(str(h.out))
     watch.start()
     daemon = h.start(env={"OMP_NUM_THREADS": "1"})

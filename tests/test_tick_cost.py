@@ -15,16 +15,7 @@ from stallwatch.daemon.core import Daemon
 from stallwatch.daemon.state import StateDB
 from stallwatch.kernel import safefs
 
-
-def _wait_for(probe, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = probe()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
+from rigs import wait_until
 
 
 def _sleeper() -> subprocess.Popen:
@@ -64,21 +55,21 @@ def test_the_pid_file_is_reread_while_its_process_lives_only_every_recheck(
 
     try:
         assert d.started.wait(30)
-        _wait_for(lambda: pid() == first.pid, 20, "the first process adopted")
+        wait_until(lambda: pid() == first.pid, 20, "the first process adopted")
         ticks0, reads0, t0 = d.ticks, len(reads), time.monotonic()
-        _wait_for(lambda: d.ticks - ticks0 >= 20, 30, "20 ticks")
+        wait_until(lambda: d.ticks - ticks0 >= 20, 30, "20 ticks")
         ticks, wall_s = d.ticks - ticks0, time.monotonic() - t0
         # Once a second (the recheck), not once a tick (10 a second).
         assert len(reads) - reads0 <= wall_s / 1.0 + 2, (len(reads) - reads0, ticks, wall_s)
         # A new pid while the old process lives: adopted at the next recheck.
         pid_file.write_text(f"{second.pid}\n")
-        _wait_for(lambda: pid() == second.pid, 10, "the second process adopted")
+        wait_until(lambda: pid() == second.pid, 10, "the second process adopted")
         # The process gone: the file is read again on the next tick, not a recheck later.
         monkeypatch.setattr(job_module, "PID_FILE_RECHECK_S", 3600.0)
         pid_file.write_text(f"{third.pid}\n")
         second.kill()
         second.wait(10)
-        _wait_for(lambda: pid() == third.pid, 10, "the third process adopted after the second died")
+        wait_until(lambda: pid() == third.pid, 10, "the third process adopted after the second died")
     finally:
         d.request_stop()
         t.join(30)
