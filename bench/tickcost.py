@@ -43,21 +43,31 @@ def _summary(xs: list[float], scale: float = 1e3, digits: int = 3) -> dict[str, 
 
 # ----------------------------------------------------------------------------- the tick loop
 
+def _sw(path: str, name: str, before: str) -> Any:
+    """stallwatch's `name` from `path`, or from `before`, where a baseline tree from before
+    issue 21's moves has it (the tick section runs such a tree side by side)."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(path), name)
+    except (ImportError, AttributeError):
+        return getattr(importlib.import_module(before), name)
+
+
 class Ticker:
     """Runs ticks and records, per tick, CPU (all threads) and wall time of each stage."""
 
     def __init__(self, collector, rules=None) -> None:
-        from stallwatch.engine import diagnose
         from stallwatch.engine import Evaluator
 
+        load = _sw("stallwatch.engine.diagnose", "load", "stallwatch.diagnose")
         self.collector = collector
-        self.evaluator = Evaluator(rules if rules is not None else diagnose.load([RULES_DIR]))
+        self.evaluator = Evaluator(rules if rules is not None else load([RULES_DIR]))
         self.rows: list[dict[str, float]] = []
         self.last = None
 
     def tick(self) -> Any:
-        from stallwatch.engine.features import features
-
+        features = _sw("stallwatch.engine.features", "features", "stallwatch.features")
         c0, w0 = time.process_time(), time.perf_counter()
         snap = self.collector.tick()
         c1 = time.process_time()
@@ -97,9 +107,7 @@ class Ticker:
 
 
 def _collector(target, **kw):
-    from stallwatch.probes.collector import Collector
-
-    return Collector(target, **kw)
+    return _sw("stallwatch.probes.collector", "Collector", "stallwatch.collector")(target, **kw)
 
 
 def _spawn(argv: list[str], **kw) -> subprocess.Popen:
@@ -135,7 +143,7 @@ def _healthy_job(work: Path) -> tuple[subprocess.Popen, Path, Path]:
 
 def what_tick(params: dict[str, Any], work: Path) -> dict[str, Any]:
     """A healthy job (a progress line and an output file every 0.2 s): the steady tick."""
-    from stallwatch.probes.targets import Target
+    Target = _sw("stallwatch.probes.targets", "Target", "stallwatch.targets")
 
     job, log, out = _healthy_job(work)
     try:
