@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from stallwatch.clock import FakeClock
-from stallwatch.daemon.config import JobConfig
+from stallwatch.daemon.config import DaemonConfig, JobConfig
 from stallwatch.daemon.job import JobRunner
+from stallwatch.daemon.options import JobOptions
 from stallwatch.engine.rulefile import RuleSet
 from stallwatch.daemon.state import StateDB
 from stallwatch.vocab import JOB_EDGES, JobPhase, PhaseError
@@ -23,9 +23,10 @@ def db(tmp_path: Path):
 
 
 def _runner(db: StateDB, name: str) -> JobRunner:
-    daemon = SimpleNamespace(db=db, clock=FakeClock(), toolkit=None)
-    cfg = JobConfig(name=name, command=["true"])
-    runner = JobRunner(daemon, cfg, RuleSet())
+    opts = JobOptions(db=db, clock=FakeClock(), state_dir=db.path.parent, host="host",
+                      boot_id="", gpu=False, submit_alert=lambda event: None,
+                      settings=DaemonConfig)
+    runner = JobRunner(opts, JobConfig(name=name, command=["true"]), RuleSet())
     db.ensure_job(name, runner.mode, runner.config_json())
     return runner
 

@@ -238,10 +238,6 @@ def test_cycle_finder_finds_a_cycle():
 
 # Cycles that stand today, each with who removes it. Shrinks to empty; a new cycle fails.
 CYCLES_WAITING: dict[tuple[str, ...], str] = {
-    # JobRunner holds its Daemon and Recovery reads its JobRunner (TYPE_CHECKING imports of the
-    # owner): helper `phases` gives each part a narrow typed options object instead.
-    ("stallwatch.daemon.core", "stallwatch.daemon.job", "stallwatch.daemon.recovery"):
-        "back-references (helper phases)",
     # run_demo picks TorchrunDemo, which subclasses Demo: helper `splits` splits demo.py.
     ("stallwatch.commands.demo", "stallwatch.commands.demo_torchrun"): "demo.py split (helper splits)",
 }

@@ -14,7 +14,7 @@ import pytest
 
 from stallwatch.daemon.config import parse_config
 from stallwatch.daemon.core import Daemon
-from stallwatch.daemon.toolkit import Toolkit
+from stallwatch.daemon.options import Actions
 from stallwatch.errors import UsageError
 from stallwatch.daemon.slurm import ended_by_slurm, job_state, parse_job_state
 from stallwatch.daemon.state import StateDB
@@ -88,7 +88,7 @@ restart_backoff_s = 0.1
 max_restarts = 1
 slurm_job_id = "77"
 """, "test")
-    d = Daemon(cfg, gpu=False, toolkit=Toolkit(slurm_job_state=state_fn), install_signals=False)
+    d = Daemon(cfg, gpu=False, actions=Actions(slurm_job_state=state_fn), install_signals=False)
     t = threading.Thread(target=d.run, name="daemon", daemon=True)
     t.start()
     assert d.started.wait(30), "the daemon did not tick"

@@ -35,10 +35,14 @@ def test_the_verdict_vocabulary_is_spelled_once() -> None:
 def _recovery():
     from stallwatch.daemon.recovery import Recovery
 
+    from stallwatch.daemon.options import RecoveryOptions
+
     phases: list[str] = []
-    runner = SimpleNamespace(name="job", clock=FakeClock(), dry_run=False,
-                             set_phase=lambda phase, detail="", **kw: phases.append(detail))
-    return Recovery(runner, 1, "hang", targets=[], pgid=None, gpu_pids=set(), candidates=[],
+    job = SimpleNamespace(dry_run=False,
+                          set_phase=lambda phase, detail="", **kw: phases.append(detail))
+    opts = RecoveryOptions(name="job", clock=FakeClock(), db=None, state_dir=ROOT,  # type: ignore[arg-type]
+                           evidence_timeout_s=1.0, run_started_wall=None)
+    return Recovery(opts, job, 1, "hang", targets=[], pgid=None, gpu_pids=set(), candidates=[],
                     failure_wall=0.0), phases
 
 

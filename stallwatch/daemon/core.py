@@ -34,7 +34,7 @@ from typing import Any
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.daemon.config import Config, JobConfig, load_config
 from stallwatch.daemon.job import JobRunner
-from stallwatch.daemon.toolkit import Toolkit
+from stallwatch.daemon.options import Actions, JobOptions
 from stallwatch.errors import UsageError
 from stallwatch.kernel.proc import boot_id
 from stallwatch.kernel.roots import Absent, Denied
@@ -74,12 +74,12 @@ def _rules_key(paths: tuple[Path, ...]) -> str:
 
 class Daemon:
     def __init__(self, config: Config, *, clock: Clock = SYSTEM_CLOCK,
-                 toolkit: Toolkit | None = None, notifier: Notifier | None = None,
+                 actions: Actions | None = None, notifier: Notifier | None = None,
                  gpu: bool = True, install_signals: bool | None = None) -> None:
         self.config = config
         self.config_path = config.path
         self.clock = clock
-        self.toolkit = toolkit or Toolkit()
+        self.actions = actions or Actions()
         self.notifier = notifier or Notifier()
         self.gpu_enabled = gpu
         self.install_signals = install_signals
@@ -218,7 +218,7 @@ class Daemon:
         self.before_jobs()
         for job in self.config.job:
             rs, key = rules[job.name]
-            runner = JobRunner(self, job, rs)
+            runner = JobRunner(self._job_options(), job, rs)
             self._rules_keys[job.name] = key
             self.jobs[job.name] = runner
             runner.start()
@@ -378,10 +378,19 @@ class Daemon:
 
     # ------------------------------------------------------------------------------- alerts
 
+    def _job_options(self) -> JobOptions:
+        assert self.db is not None
+        return JobOptions(db=self.db, clock=self.clock, state_dir=self.state_dir, host=self.host,
+                          boot_id=self.boot_id, gpu=self.gpu_enabled,
+                          submit_alert=self.submit_alert, settings=lambda: self.config.daemon,
+                          actions=self.actions)
+
     def _make_dispatcher(self, config: Config) -> Any:
+        if not config.alerts:
+            return None
         try:
-            return self.toolkit.make_dispatcher(list(config.alerts), clock=self.clock,
-                                                state_dir=str(self.state_dir), host=self.host)
+            return self.actions.dispatcher(list(config.alerts), clock=self.clock,
+                                           state_dir=str(self.state_dir), host=self.host)
         except Exception:  # alerts off is better than no watchdog
             log.exception("cannot build the alert dispatcher: alerts are only logged")
             return None
@@ -431,7 +440,7 @@ class Daemon:
             rs, key = rules[job.name]
             runner = self.jobs.get(job.name)
             if runner is None:
-                runner = JobRunner(self, job, rs)
+                runner = JobRunner(self._job_options(), job, rs)
                 self.jobs[job.name] = runner
                 self._rules_keys[job.name] = key
                 runner.start()

@@ -27,13 +27,14 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from stallwatch.kernel import safefs
 from stallwatch.kernel.proc import Proc
 from stallwatch.kernel.roots import Absent, Denied
 from stallwatch.daemon.config import JobConfig
 from stallwatch.daemon.alertmemory import AlertMemory
+from stallwatch.daemon.options import JobOptions, RecoveryOptions
 from stallwatch.daemon.recovery import Recovery, candidates_from, run_in_thread
 from stallwatch.daemon.supervise import (SpawnError, find_wrapper, identity_alive,
                                          identity_exists, proc_comm, proc_state, read_status,
@@ -41,13 +42,11 @@ from stallwatch.daemon.supervise import (SpawnError, find_wrapper, identity_aliv
 from stallwatch.daemon.watchwarn import WatchWarnings, job_uid, with_width_evidence
 from stallwatch.engine import Evaluator, RuleSet
 from stallwatch.engine.alerting import AlertState, Evaluation, Verdict
+from stallwatch.alerts.events import AlertEvent, EvidenceLine, ProgressInfo
 from stallwatch.engine.features import features
 from stallwatch.engine.history import History, sample, sparkline_text, sparklines
 from stallwatch.vocab import (JOB_EDGES, PROBLEM_KINDS, RESTART_KINDS, STALL_KINDS,
                               TERMINAL_PHASES, JobPhase, PhaseError, edge)
-
-if TYPE_CHECKING:
-    from stallwatch.daemon.core import Daemon
 
 log = logging.getLogger("stallwatch.daemon")
 
@@ -71,13 +70,13 @@ def verdict_doc(v: Verdict, at: float | None = None) -> dict[str, Any]:
 
 
 class JobRunner:
-    def __init__(self, daemon: Daemon, cfg: JobConfig, rules: RuleSet) -> None:
-        self.daemon = daemon
+    def __init__(self, opts: JobOptions, cfg: JobConfig, rules: RuleSet) -> None:
+        self.opts = opts
         self.cfg = cfg
         self.name = cfg.name
-        self.db = daemon.db
-        self.clock = daemon.clock
-        self.toolkit = daemon.toolkit
+        self.db = opts.db
+        self.clock = opts.clock
+        self.actions = opts.actions
         self.rules = rules
         self.evaluator = Evaluator(rules)
         self.alert_memory = AlertMemory(self.name, self.db)  # timers and health, in the db
@@ -121,7 +120,7 @@ class JobRunner:
 
     @property
     def daemon_cfg(self):
-        return self.daemon.config.daemon
+        return self.opts.settings()
 
     @property
     def dry_run(self) -> bool:
@@ -135,11 +134,8 @@ class JobRunner:
         if self.cfg.log is not None:
             return self.cfg.log
         if self.cfg.supervised:
-            return self.daemon.state_dir / "logs" / f"{self.name}.log"
+            return self.opts.state_dir / "logs" / f"{self.name}.log"
         return None
-
-    def quarantine_dir(self) -> Path | None:
-        return self.cfg.quarantine_dir(self.daemon.state_dir)
 
     def _status(self, run: dict[str, Any] | None = None, path: Any = None) -> dict[str, Any] | None:
         """The run's status document, only once it is proved the wrapper's (status_authentic):
@@ -232,10 +228,6 @@ class JobRunner:
     def run_started_wall(self) -> float | None:
         return self.run_row["started_at"] if self.run_row else None
 
-    def note_quarantined(self, paths: list[str]) -> None:
-        log.warning("job %s: quarantined %d broken output(s): %s", self.name, len(paths),
-                    ", ".join(paths[:5]))
-
     def config_json(self) -> str:
         return self.cfg.model_dump_json()
 
@@ -264,10 +256,10 @@ class JobRunner:
 
         self.collector = Collector(self._target(pids), clock=self.clock,
                                    deadline_s=self.daemon_cfg.probe_deadline_s,
-                                   gpu=self.daemon.gpu_enabled)
+                                   gpu=self.opts.gpu)
         self.collector.processes = self._processes_probe(self.collector.target)
         row = self.db.job(self.name)
-        boot = self.daemon.boot_id
+        boot = self.opts.boot_id
         if row and row.get("kmsg_cursor") is not None and row.get("kmsg_boot_id") == boot:
             # Same boot: read what the kernel said while no daemon was watching (an OOM kill).
             try:
@@ -345,6 +337,12 @@ class JobRunner:
                      self.name, self.phase)
             self.set_phase(JobPhase.NEW, "", restarts=0)
             self.start_first()
+
+    def _recovery_options(self) -> RecoveryOptions:
+        return RecoveryOptions(name=self.name, clock=self.clock, db=self.db,
+                               state_dir=self.opts.state_dir,
+                               evidence_timeout_s=self.daemon_cfg.evidence_timeout_s,
+                               run_started_wall=self.run_started_wall(), actions=self.actions)
 
     def _forget_processes(self) -> None:
         """A new run starts: the old run's processes and exits are history, not this run's."""
@@ -510,14 +508,14 @@ class JobRunner:
                  "restart", self.name, inc["kind"], iid)
         self.db.add_action(self.name, "resume", "recovery resumed after a daemon restart",
                            incident_id=iid)
-        self.recovery = Recovery(self, iid, inc["kind"], targets=targets,
+        self.recovery = Recovery(self._recovery_options(), self, iid, inc["kind"], targets=targets,
                                  pgid=run.get("pgid") if targets else None, gpu_pids=set(),
                                  candidates=[], failure_wall=inc["started_at"], resumed=True)
 
     # ------------------------------------------------------------------------------ spawning
 
     def _runs_dir(self) -> Path:
-        return self.daemon.state_dir / "runs"
+        return self.opts.state_dir / "runs"
 
     def _spawn(self, what: str, attempt: int | None, incident_id: int | None) -> None:
         """Intent → spawn → completion. The completion transaction is the only place a restart
@@ -815,6 +813,8 @@ class JobRunner:
         if self.recovery is not None:
             self.recovery.step(snap)
             if self.recovery.finished:
+                if self.recovery.dry_run_walked:  # not walked again for the same incident
+                    self.dry_run_done.add(self.recovery.incident_id)
                 self.recovery = None
         self._settle(verdict)
         self._forget_streak_after_a_good_run()
@@ -832,7 +832,7 @@ class JobRunner:
             return False
         if self._slurm_ask is None or self._slurm_ask[0] != run["id"]:
             self._slurm_ask = (run["id"], run_in_thread(f"slurm-{self.name}",
-                                                        self.toolkit.slurm_state, jid))
+                                                        self.actions.slurm_job_state, jid))
         fut = self._slurm_ask[1]
         if not fut.done():
             return True
@@ -883,7 +883,7 @@ class JobRunner:
                                   "verdict_at": snap.t_wall}
         if snap.kernel is not None and snap.kernel.cursor is not None:
             fields["kmsg_cursor"] = snap.kernel.cursor
-            fields["kmsg_boot_id"] = self.daemon.boot_id
+            fields["kmsg_boot_id"] = self.opts.boot_id
         if snap.processes is not None and snap.processes.targets:
             pid = snap.processes.targets[0]
             p = next((p for p in snap.processes.processes if p.pid == pid), None)
@@ -938,16 +938,16 @@ class JobRunner:
         self.incidents[kind] = inc
         log.warning("job %s: incident %d: %s: %s", self.name, iid, kind, verdict.summary)
         self.db.add_action(self.name, "detect", f"{kind}: {verdict.summary}", incident_id=iid)
-        if self.daemon_cfg.evidence and self.toolkit.evidence_available():
-            bundle = self.daemon.state_dir / "evidence" / f"{self.name}-{iid}-{kind}"
+        if self.daemon_cfg.evidence:
+            bundle = self.opts.state_dir / "evidence" / f"{self.name}-{iid}-{kind}"
             inc["bundle"] = str(bundle)
             inc["evidence_action"] = self.db.add_action(self.name, "evidence", "pending",
                                                         incident_id=iid, detail=str(bundle),
                                                         done=False)
             inc["evidence_future"] = run_in_thread(
-                f"evidence-{self.name}", self.toolkit.run_evidence, snap, verdict, bundle,
-                evaluation=ev, features=v, clock=self.clock, log=self.log_path(),
-                job=self.name, timeout_s=min(15.0, self.daemon_cfg.evidence_timeout_s),
+                f"evidence-{self.name}", self.actions.evidence, snap, verdict, bundle,
+                evaluation=ev, features=v, clock=self.clock,
+                timeout_s=min(15.0, self.daemon_cfg.evidence_timeout_s),
                 history=self.history.docs(HISTORY_WINDOW_S))
             self.db.update_incident(iid, evidence_bundle=str(bundle))
         note = self._budget_note(kind)
@@ -1029,7 +1029,8 @@ class JobRunner:
             gpu_pids = {pr.pid for d in base.gpu.devices for pr in (d.processes or ())
                         if pr.pid in pids}
         log.warning("job %s: %s: killing and resuming (incident %d)", self.name, kind, inc["id"])
-        self.recovery = Recovery(self, inc["id"], kind, targets=targets, pgid=pgid,
+        self.recovery = Recovery(self._recovery_options(), self, inc["id"], kind, targets=targets,
+                                 pgid=pgid,
                                  gpu_pids=gpu_pids,
                                  candidates=candidates_from(base, self.cfg.outputs),
                                  failure_wall=snap.t_wall, evidence=inc.get("evidence_future"))
@@ -1057,8 +1058,6 @@ class JobRunner:
     # --------------------------------------------------------------------------------- alerts
 
     def emit_alert(self, incident_id: int, state: str, summary_override: str | None = None) -> None:
-        from stallwatch.alerts.events import AlertEvent, EvidenceLine, ProgressInfo
-
         inc = self.db.incident(incident_id)
         if inc is None:
             return
@@ -1085,11 +1084,11 @@ class JobRunner:
             evidence=tuple(EvidenceLine(signal=e.get("signal", ""), detail=e.get("detail", ""))
                            for e in vd.get("evidence", ())),
             advice=tuple(vd.get("advice", ())), cause=vd.get("cause"), severity=sev,
-            host=self.daemon.host, incident_id=incident_id, episode=inc["episode"],
+            host=self.opts.host, incident_id=incident_id, episode=inc["episode"],
             started_at=inc["started_at"], resolved_at=inc["resolved_at"], at=self.clock.time(),
             progress=progress, actions=actions, evidence_bundle=inc["evidence_bundle"],
             sparklines=self.sparklines())
-        self.daemon.submit_alert(event)
+        self.opts.submit_alert(event)
 
 
 # --------------------------------------------------------------------------------- reconcile

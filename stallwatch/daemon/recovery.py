@@ -31,11 +31,13 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from stallwatch.actions.kill import KillOperation, KillState
+from stallwatch.actions.validate import ValidationReport
 from stallwatch.daemon.supervise import SpawnError, identity_alive
 from stallwatch.vocab import RECOVERY_EDGES, RECOVERY_FINAL, RECOVERY_FIRST, RecoveryPhase, edge
 
 if TYPE_CHECKING:
-    from stallwatch.daemon.job import JobRunner
+    from stallwatch.daemon.options import RecoveryHost, RecoveryOptions
 
 log = logging.getLogger("stallwatch.daemon")
 
@@ -58,11 +60,15 @@ def run_in_thread(name: str, fn, *args, **kwargs) -> Future:
 
 
 class Recovery:
-    def __init__(self, runner: JobRunner, incident_id: int, kind: str, *,
+    def __init__(self, opts: RecoveryOptions, job: RecoveryHost, incident_id: int, kind: str, *,
                  targets: list[tuple[int, int]], pgid: int | None,
                  gpu_pids: set[int], candidates: list[str], failure_wall: float,
                  evidence: Future | None = None, resumed: bool = False) -> None:
-        self.r = runner
+        self.opts = opts
+        self.job = job  # its settings as they are now, its phase, alerts and restart
+        self.name = opts.name
+        self.db = opts.db
+        self.clock = opts.clock
         self.incident_id = incident_id
         self.kind = kind
         self.targets = list(dict.fromkeys(targets))
@@ -83,42 +89,43 @@ class Recovery:
             RecoveryPhase.RESTART: self._restart, RecoveryPhase.DONE: self._final,
             RecoveryPhase.GAVE_UP: self._final,
         }
-        self.entered = runner.clock.monotonic()
-        self.kill = None
-        self.validation: Future | None = None
+        self.entered = self.clock.monotonic()
+        self.kill: KillOperation | None = None
+        self.validation: Future[ValidationReport] | None = None
         self.restart_at: float | None = None
         self.attempt: int | None = None
         self._said: set[str] = set()
+        self.dry_run_walked = False
         self.resumed = resumed
-        self.r.set_phase("recovering", f"{kind}: {self.phase}", recovery_incident=incident_id)
+        job.set_phase("recovering", f"{kind}: {self.phase}", recovery_incident=incident_id)
 
     # ---------------------------------------------------------------------------------- utils
 
     @property
     def dry_run(self) -> bool:
-        return self.r.dry_run
+        return self.job.dry_run
 
     def _move(self, to: str) -> RecoveryPhase:
         """The only code that changes `phase` after __init__: an edge not in
         stallwatch.vocab.RECOVERY_EDGES is a bug here, refused (PhaseError) before anything is
         done."""
         self.phase = to = edge(RECOVERY_EDGES, self.phase, to,
-                               f"job {self.r.name}: recovery from {self.kind}")
-        self.entered = self.r.clock.monotonic()
+                               f"job {self.name}: recovery from {self.kind}")
+        self.entered = self.clock.monotonic()
         return to
 
     def _enter(self, phase: str, detail: str = "") -> None:
         phase = self._move(phase)
-        self.r.set_phase("recovering", f"{self.kind}: {phase}" + (f" ({detail})" if detail else ""),
+        self.job.set_phase("recovering", f"{self.kind}: {phase}" + (f" ({detail})" if detail else ""),
                          recovery_incident=self.incident_id)
-        log.info("job %s: recovery from %s: %s%s", self.r.name, self.kind, phase,
+        log.info("job %s: recovery from %s: %s%s", self.name, self.kind, phase,
                  f" ({detail})" if detail else "")
 
     def _held(self) -> float:
-        return self.r.clock.monotonic() - self.entered
+        return self.clock.monotonic() - self.entered
 
     def _action(self, what: str, outcome: str, detail: str = "", **kw: Any) -> int:
-        return self.r.db.add_action(self.r.name, what, outcome, incident_id=self.incident_id,
+        return self.db.add_action(self.name, what, outcome, incident_id=self.incident_id,
                                     detail=detail, **kw)
 
     @property
@@ -140,7 +147,7 @@ class Recovery:
 
     def _evidence(self, snap: Any) -> None:
         fut = self.evidence
-        timeout = self.r.daemon_cfg.evidence_timeout_s
+        timeout = self.opts.evidence_timeout_s
         if fut is not None and not fut.done() and self._held() < timeout:
             return
         if fut is not None and not fut.done():
@@ -154,60 +161,51 @@ class Recovery:
                 self._action("kill", "nothing to kill: every process of the job is gone")
                 self._enter("wait_gone")
                 return
-            self.kill = self.r.toolkit.make_kill(self.targets, self.pgid,
-                                                 grace_s=self.r.cfg.kill_grace_s,
-                                                 clock=self.r.clock, dry_run=self.dry_run)
+            grace_s = self.job.cfg.kill_grace_s
+            self.kill = self.opts.actions.kill(self.targets, self.pgid, grace_s=grace_s,
+                                               kill_wait_s=min(10.0, max(1.0, grace_s)),
+                                               clock=self.clock, dry_run=self.dry_run)
             self._kill_action = self._action(
                 "kill", "pending", json.dumps({"targets": self.targets, "pgid": self.pgid}),
                 done=False)
         if not self.kill_finished():
             self.kill.step()
-        state = str(getattr(self.kill, "state", ""))
-        if state == "unkillable" and "unkillable" not in self._said:
+        if self.kill.state is KillState.unkillable and "unkillable" not in self._said:
             self._said.add("unkillable")
             self._unkillable()
         if self.kill_finished():
             rep = self._kill_report()
             outcome = "dry-run: would have signalled " + rep if self.dry_run else "done: " + rep
-            self.r.db.complete_action(self._kill_action, outcome)
+            self.db.complete_action(self._kill_action, outcome)
             self._enter("wait_gone")
 
     def kill_finished(self) -> bool:
-        k = self.kill
-        if k is None:
-            return False
-        fin = getattr(k, "finished", None)
-        if fin is not None:
-            return bool(fin)
-        return str(getattr(k, "state", "")).endswith("done")
+        return self.kill is not None and self.kill.finished
 
     def _kill_report(self) -> str:
-        k = self.kill
-        try:
-            rep = k.report()
-            sigs = ", ".join(f"{s.signal} {s.scope} {s.id}: {s.outcome}" for s in rep.signals)
-            refused = "; ".join(r.reason for r in rep.refused)
-            last = rep.history[-1].reason if rep.history else ""
-            out = last
-            if sigs:
-                out += f" [{sigs}]"
-            if refused:
-                out += f" refused: {refused}"
-            return out or str(rep.state)
-        except Exception:  # noqa: BLE001 - a stand-in without report()
-            return str(getattr(k, "state", "done"))
+        assert self.kill is not None
+        rep = self.kill.report()
+        sigs = ", ".join(f"{s.signal} {s.scope} {s.id}: {s.outcome}" for s in rep.signals)
+        refused = "; ".join(r.reason for r in rep.refused)
+        out = rep.history[-1].reason if rep.history else ""
+        if sigs:
+            out += f" [{sigs}]"
+        if refused:
+            out += f" refused: {refused}"
+        return out or str(rep.state)
 
     def _unkillable(self) -> None:
-        survivors = list(getattr(self.kill, "survivors", ()) or ())
+        assert self.kill is not None
+        survivors = self.kill.survivors
         parts = []
         for s in survivors[:4]:
             parts.append(f"pid {s.pid} in {s.state or '?'}, wchan {s.wchan or '?'}")
         more = f" and {len(survivors) - 4} more" if len(survivors) > 4 else ""
         note = f"unkillable: {'; '.join(parts)}{more}; resume waits"
-        self.r.db.update_incident(self.incident_id, note=note)
+        self.db.update_incident(self.incident_id, note=note)
         self._action("kill", note)
-        log.warning("job %s: %s", self.r.name, note)
-        self.r.emit_alert(self.incident_id, "firing", summary_override=note)
+        log.warning("job %s: %s", self.name, note)
+        self.job.emit_alert(self.incident_id, "firing", summary_override=note)
 
     def _wait_gone(self, snap: Any) -> None:
         alive = [(p, t) for p, t in self.targets if identity_alive(p, t)]
@@ -225,8 +223,8 @@ class Recovery:
         if not self.gpu_pids:
             self._enter("validate")
             return
-        gpu = getattr(snap, "gpu", None)
-        if gpu is None or getattr(gpu, "status", None) != "ok":
+        gpu = snap.gpu
+        if gpu is None or gpu.status != "ok":
             self._action("wait_gpu", "GPU state not readable now: not waiting for its memory")
             self._enter("validate")
             return
@@ -236,28 +234,28 @@ class Recovery:
                          + " released")
             self._enter("validate")
             return
-        limit = self.r.cfg.gpu_release_timeout_s
+        limit = self.job.cfg.gpu_release_timeout_s
         if self._held() >= limit:
             self._action("wait_gpu", f"GPU memory of pids {sorted(held)} still held after "
                                      f"{limit:g} s: resuming anyway")
             self._enter("validate")
 
     def _validate(self, snap: Any) -> None:
-        cfg = self.r.cfg
+        cfg = self.job.cfg
         if cfg.outputs is None:
             self._enter("backoff", "no outputs configured: nothing to validate")
             return
         if self.validation is None:
             since = self.failure_wall - cfg.validate_window_s
-            start = self.r.run_started_wall()
+            start = self.opts.run_started_wall
             if start is not None:
                 since = max(since, start - 60.0)
-            qdir = self.r.quarantine_dir()
+            qdir = cfg.quarantine_dir(self.opts.state_dir)
             self._validate_action = self._action("validate", "pending", done=False)
             self.validation = run_in_thread(
-                f"validate-{self.r.name}", self.r.toolkit.run_validate, cfg.outputs, since, qdir,
+                f"validate-{self.name}", self.opts.actions.validate, cfg.outputs, since, qdir,
                 candidates=self.candidates, max_files=cfg.validate_max_files,
-                dry_run=self.dry_run, budget_s=60.0, clock=self.r.clock)
+                dry_run=self.dry_run, budget_s=60.0, clock=self.clock)
             return
         if not self.validation.done():
             if self._held() > 120.0 and "validate_slow" not in self._said:
@@ -268,24 +266,23 @@ class Recovery:
         try:
             rep = self.validation.result()
         except Exception as e:  # noqa: BLE001
-            self.r.db.complete_action(self._validate_action, f"failed: {type(e).__name__}: {e}")
+            self.db.complete_action(self._validate_action, f"failed: {type(e).__name__}: {e}")
             self._give_up(f"validating the outputs failed ({type(e).__name__}: {e}); not "
                           "resuming onto outputs that were not checked")
             return
-        moved = list(getattr(rep, "quarantined", ()) or ())
-        errors = list(getattr(rep, "errors", ()) or ())
-        skipped = list(getattr(rep, "skipped", ()) or ())
-        text = (f"checked {getattr(rep, 'checked', '?')}, valid {getattr(rep, 'valid', '?')}, "
-                f"quarantined {len(moved)}")
+        moved, errors, skipped = rep.quarantined, rep.errors, rep.skipped
+        text = f"checked {rep.checked}, valid {rep.valid}, quarantined {len(moved)}"
         if moved:
-            text += ": " + "; ".join(f"{q[0]} → {q[1]} ({q[2]})" for q in moved[:5])
+            text += ": " + "; ".join(f"{q.src} → {q.dst} ({q.reason})" for q in moved[:5])
         if skipped:
-            text += f"; skipped {len(skipped)}: " + "; ".join(f"{s[0]} ({s[1]})" for s in skipped[:3])
+            text += f"; skipped {len(skipped)}: " + "; ".join(f"{s.path} ({s.reason})"
+                                                             for s in skipped[:3])
         if errors:
             text += "; errors: " + "; ".join(errors[:3])
-        self.r.db.complete_action(self._validate_action, ("dry-run: " if self.dry_run else "") + text)
+        self.db.complete_action(self._validate_action, ("dry-run: " if self.dry_run else "") + text)
         if moved:
-            self.r.note_quarantined([q[1] for q in moved])
+            log.warning("job %s: quarantined %d broken output(s): %s", self.name, len(moved),
+                        ", ".join(q.dst for q in moved[:5]))
         if errors and not self.dry_run:
             self._give_up("broken outputs could not be moved aside (" + "; ".join(errors[:2])
                           + "): resuming would make the job skip them forever")
@@ -293,10 +290,10 @@ class Recovery:
         self._enter("backoff")
 
     def _backoff(self, snap: Any) -> None:
-        cfg = self.r.cfg
+        cfg = self.job.cfg
         if self.attempt is None:
-            done = self.r.restart_streak()
-            self.attempt = self.r.restarts() + 1  # numbers the restart; the streak counts it
+            done = self.job.restart_streak()
+            self.attempt = self.job.restarts() + 1  # numbers the restart; the streak counts it
             if cfg.restart != "on-failure":
                 self._give_up('restart = "no"', alert=False)
                 return
@@ -305,10 +302,10 @@ class Recovery:
                               f"{cfg.max_restarts}")
                 return
             wait = cfg.backoff_s(done + 1)
-            self.restart_at = self.r.clock.monotonic() + wait
+            self.restart_at = self.clock.monotonic() + wait
             self._enter("backoff", f"restart {self.attempt} of {cfg.max_restarts} in {wait:g} s")
             return
-        if self.restart_at is not None and self.r.clock.monotonic() < self.restart_at:
+        if self.restart_at is not None and self.clock.monotonic() < self.restart_at:
             return
         self._enter("restart")
 
@@ -316,28 +313,28 @@ class Recovery:
         if self.dry_run:
             self._action("restart", f"dry-run: would restart (attempt {self.attempt})",
                          attempt=self.attempt)
-            self.r.db.update_incident(self.incident_id, note="dry run: would have killed, "
-                                      "validated and restarted the job; nothing was done")
-            self.r.dry_run_done.add(self.incident_id)  # do not walk the same incident again
-            self.r.set_phase("running", "dry run: left as it is", recovery_incident=None)
+            self.db.update_incident(self.incident_id, note="dry run: would have killed, "
+                                    "validated and restarted the job; nothing was done")
+            self.job.set_phase("running", "dry run: left as it is", recovery_incident=None)
+            self.dry_run_walked = True  # its job does not walk the same incident again
             self._move(RecoveryPhase.DONE)
             return
         try:
-            self.r.restart(self.attempt or 1, self.incident_id)
+            self.job.restart(self.attempt or 1, self.incident_id)
         except SpawnError as e:
             self._give_up(f"restart failed: {e}")
             return
         self._move(RecoveryPhase.DONE)
-        self.r.resolve_by_restart(self.incident_id, self.attempt or 1)
+        self.job.resolve_by_restart(self.incident_id, self.attempt or 1)
 
     def _give_up(self, why: str, alert: bool = True) -> None:
         note = f"gave up: {why}; the job is left stopped"
         self._action("give_up", note)
-        self.r.db.update_incident(self.incident_id, note=note)
-        self.r.set_phase("stopped", why, recovery_incident=None)
-        log.error("job %s: %s", self.r.name, note)
+        self.db.update_incident(self.incident_id, note=note)
+        self.job.set_phase("stopped", why, recovery_incident=None)
+        log.error("job %s: %s", self.name, note)
         if alert:
-            self.r.emit_alert(self.incident_id, "firing", summary_override=note)
+            self.job.emit_alert(self.incident_id, "firing", summary_override=note)
         self._move(RecoveryPhase.GAVE_UP)
 
     def describe(self) -> str:
