@@ -33,6 +33,7 @@ def die(why):
     os.kill(os.getpid(), signal.SIGKILL)
 
 import stallwatch.daemon.job as job
+import stallwatch.daemon.jobrun as jobrun
 import stallwatch.daemon.recovery as rec
 
 if step == "detect":  # the incident is recorded, the recovery not begun
@@ -57,7 +58,7 @@ elif step.startswith("enter:"):
             die(f"on entering {p}")
     rec.Recovery._enter = _enter
 elif step in ("spawn:before", "spawn:after"):
-    orig_spawn = job.spawn
+    orig_spawn = jobrun.spawn
     def _spawn(name, seq, *a, **k):
         if seq > 1 and step == "spawn:before":
             die("with the restart intent recorded, before the spawn")
@@ -65,7 +66,7 @@ elif step in ("spawn:before", "spawn:after"):
         if seq > 1:
             die("after the spawn, before its completion was recorded")
         return sp
-    job.spawn = _spawn
+    jobrun.spawn = _spawn
 else:
     raise SystemExit(f"unknown failpoint {step}")
 

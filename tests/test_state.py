@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from stallwatch.daemon.job import reconcile_intents
+from stallwatch.daemon.reconcile import reconcile_intents
 from stallwatch.daemon.supervise import identity_alive, read_status
 from stallwatch.errors import UsageError
 from stallwatch.daemon.state import StateDB

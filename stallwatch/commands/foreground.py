@@ -25,7 +25,8 @@ import signal
 from typing import Any
 
 from stallwatch.daemon.core import Daemon
-from stallwatch.daemon.job import TERMINAL, JobRunner
+from stallwatch.daemon.job import JobRunner
+from stallwatch.daemon.jobstate import TERMINAL
 from stallwatch.daemon.supervise import identity_exists
 
 log = logging.getLogger("stallwatch.daemon")
