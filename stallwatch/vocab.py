@@ -16,7 +16,7 @@ from typing import TypeVar
 VERDICT_KINDS: tuple[str, ...] = ("healthy", "slow", "hang", "io_stall", "server_hang",
                                   "server_down", "crash", "gpu_fault", "disk_full", "finished",
                                   "unknown")
-# A problem verdict opens an incident (daemon/job.py); healthy, finished and unknown never do.
+# A problem verdict opens an incident (daemon/incidents.py); healthy, finished and unknown never do.
 PROBLEM_KINDS: tuple[str, ...] = ("hang", "io_stall", "server_hang", "server_down", "crash",
                                   "gpu_fault", "disk_full", "slow")
 INCIDENT_KINDS: tuple[str, ...] = tuple(k for k in VERDICT_KINDS
@@ -67,8 +67,8 @@ def edge(edges: Mapping[E, frozenset[E]], frm: E, to: str, what: str) -> E:
 
 
 _J = JobPhase
-# Every change of a job's phase that the daemon makes, as data (daemon/job.py, JobRunner.set_phase
-# is the only code that takes one). A phase read back from the state database at start-up is not
+# Every change of a job's phase that the daemon makes, as data (JobRunner.set_phase, in
+# daemon/jobstate.py, is the only code that takes one). A phase read back from the state database at start-up is not
 # an edge: it is where the previous daemon left the job (JobRunner.start resumes it, once).
 # A phase may lead to itself where the daemon says something new about it (its detail): a
 # running job re-attached to, each step of a recovery.

@@ -6,7 +6,10 @@ supervised job) imports this package, and must start fast and pull in nothing it
 Modules:
     wrap        the job's parent: waits for it, writes its exit status atomically to a file
     supervise   starting a job (setsid, or a transient systemd unit), status files, identity
-    job         one job: collector → features → rules → incidents → actions, once per tick
+    job         one job: collector → features → rules → incidents → actions, once per tick, in
+                layers: jobstate (state, phase, collector), incidents, jobrun (start-up, the
+                run, its exit, acting), job (the tick); reconcile (intents left at start-up)
+    options     what the daemon hands a job and a recovery: typed options, the actions' seam
     recovery    the kill → wait → GPU → validate → backoff → restart state machine
     core        the loop, signals (HUP reload, TERM/INT stop), sd_notify, metrics
     status      `stallwatch status`: the state database as JSON or a table
