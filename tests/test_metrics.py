@@ -289,8 +289,8 @@ def test_daemon_metrics_adapter_reads_the_daemon(tmp_path):
 
     def runner(name, phase, kind, snap, restarts, incidents):
         return NS(name=name, phase=phase, verdict=NS(kind=kind), last_snap=snap, last_eval=ev,
-                  incidents=incidents, restarts=lambda: restarts,
-                  cfg=NS(restart="on-failure", max_restarts=3))
+                  incidents=incidents, restarts=lambda: restarts, restart_streak=lambda: restarts,
+                  watch_warnings=[], cfg=NS(restart="on-failure", max_restarts=3))
 
     disp = NS(status=lambda: {"sinks": [
         {"name": "ops", "type": "webhook", "sent": 4, "failed": 1},

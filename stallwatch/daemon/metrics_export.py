@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -27,6 +27,10 @@ from stallwatch.daemon.metrics import (DELIVERY_RESULTS, DaemonStats, DaemonView
                                        families, self_usage_families)
 from stallwatch.daemon.selfusage import SelfUsage, read_self_usage
 from stallwatch.vocab import JOB_STATES, VERDICT_KINDS
+
+if TYPE_CHECKING:
+    from stallwatch.engine.alerting import Evaluation, Verdict
+    from stallwatch.probes.snapshot import Snapshot
 
 log = logging.getLogger("stallwatch.daemon.metrics")
 
@@ -304,6 +308,70 @@ def _remove_stale_temps(path: Path) -> None:
 # The daemon's side: one object, three calls (open, each tick, shutdown)
 
 
+class MetricsJobConfig(Protocol):
+    """What the metrics read of a job's config (daemon/config.py's JobConfig, which imports
+    the metrics: a Protocol, not an import back)."""
+
+    @property
+    def restart(self) -> str: ...
+
+    @property
+    def max_restarts(self) -> int: ...
+
+
+class MetricsJob(Protocol):
+    """What the metrics read of a job (daemon/job.py's JobRunner); read only."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def phase(self) -> str: ...  # a stallwatch.vocab.JobPhase
+
+    @property
+    def verdict(self) -> Verdict | None: ...
+
+    @property
+    def last_snap(self) -> Snapshot | None: ...
+
+    @property
+    def last_eval(self) -> Evaluation | None: ...
+
+    @property
+    def incidents(self) -> Mapping[str, Mapping[str, Any]]: ...  # open ones by kind: {"id": …}
+
+    @property
+    def watch_warnings(self) -> Sequence[str]: ...
+
+    @property
+    def cfg(self) -> MetricsJobConfig: ...
+
+    def restarts(self) -> int: ...
+
+    def restart_streak(self) -> int: ...
+
+
+class MetricsDB(Protocol):
+    """What the metrics read of the state database (daemon/state.py's StateDB)."""
+
+    def incidents(self, job: str, limit: int = ...) -> list[dict[str, Any]]: ...
+
+    def job_actions(self, job: str) -> list[dict[str, Any]]: ...
+
+
+class MetricsDaemon(Protocol):
+    """What the metrics read of the daemon (daemon/core.py's Daemon); read only."""
+
+    @property
+    def jobs(self) -> Mapping[str, MetricsJob]: ...
+
+    @property
+    def db(self) -> MetricsDB | None: ...
+
+    @property
+    def dispatcher(self) -> Any: ...  # alerts.AlertDispatcher, or None: only its status()
+
+
 class DaemonMetrics:
     """Everything `stallwatch run` needs for metrics, so its wiring stays three lines:
 
@@ -311,10 +379,8 @@ class DaemonMetrics:
         if self._metrics: self._metrics.tick(self, dur)                  # end of each tick
         if self._metrics: self._metrics.close()                          # shutdown()
 
-    `tick` reads the daemon duck-typed: `daemon.jobs` (name → runner with .name, .phase,
-    .verdict.kind, .last_snap, .last_eval.errors, .incidents, .restarts(), .cfg.restart,
-    .cfg.max_restarts), `daemon.db` (.incidents(job, limit), .job_actions(job)) and
-    `daemon.dispatcher.status()`. A failure here is logged, never raised into the tick.
+    `tick` reads what MetricsDaemon, MetricsJob and MetricsDB name, nothing else. A failure here
+    is logged, never raised into the tick.
     """
 
     def __init__(self, exporter: MetricsExporter, stats: DaemonStats) -> None:
@@ -348,7 +414,7 @@ class DaemonMetrics:
     def port(self) -> int | None:
         return self.exporter.port
 
-    def tick(self, daemon: Any, duration_s: float) -> None:
+    def tick(self, daemon: MetricsDaemon, duration_s: float) -> None:
         try:
             self._tick(daemon, duration_s)
         except Exception:
@@ -361,21 +427,20 @@ class DaemonMetrics:
 
     # -- internals
 
-    def _tick(self, daemon: Any, duration_s: float) -> None:
-        runners = list(getattr(daemon, "jobs", {}).values())
-        db = getattr(daemon, "db", None)
+    def _tick(self, daemon: MetricsDaemon, duration_s: float) -> None:
+        runners = list(daemon.jobs.values())
+        db = daemon.db
         reports: list[Any] = []
         rule_errors = 0
         gpu_obs = None
         views: list[JobView] = []
         for r in runners:
-            snap = getattr(r, "last_snap", None)
+            snap = r.last_snap
             if snap is not None and self._seen_snaps.get(r.name) != id(snap):
                 self._seen_snaps[r.name] = id(snap)  # count each snapshot's probes once
                 reports.extend(snap.probes)
-                ev = getattr(r, "last_eval", None)
-                rule_errors += len(getattr(ev, "errors", ()) or ())
-            if snap is not None and gpu_obs is None and getattr(snap, "gpu", None) is not None:
+                rule_errors += len(r.last_eval.errors) if r.last_eval is not None else 0
+            if snap is not None and gpu_obs is None and snap.gpu is not None:
                 gpu_obs = snap.gpu
             views.append(self._job_view(r, snap, db))
         self._seen_snaps = {k: v for k, v in self._seen_snaps.items()
@@ -383,39 +448,34 @@ class DaemonMetrics:
         self.stats.tick(duration_s, reports)
         if rule_errors:
             self.stats.rule_error(rule_errors)
-        disp = getattr(daemon, "dispatcher", None)
+        disp = daemon.dispatcher
         deliveries = deliveries_from_status(disp.status()) if disp is not None else {}
         view = self.stats.view(gpus=GpuView.from_obs(gpu_obs))
         if deliveries:
             view = view.model_copy(update={"alert_deliveries": deliveries})
         self.exporter.update(views, view)
 
-    def _job_view(self, r: Any, snap: Any, db: Any) -> JobView:
-        verdict = getattr(r, "verdict", None)
-        kind = getattr(verdict, "kind", None) or "unknown"
+    def _job_view(self, r: MetricsJob, snap: Snapshot | None, db: MetricsDB | None) -> JobView:
+        kind = r.verdict.kind if r.verdict is not None else "unknown"
         if kind not in VERDICT_KINDS:
             kind = "unknown"
-        phase = getattr(r, "phase", "running")
+        phase = r.phase
         restarts = int(r.restarts())
         state = phase if phase in JOB_STATES else "stopped"
         if phase == "stopped" and self._is_gave_up(r.name, phase, restarts, db):
             state = "gave_up"
-        cfg = getattr(r, "cfg", None)
-        max_r = getattr(cfg, "max_restarts", None) if getattr(cfg, "restart", "no") != "no" else None
-        streak_fn = getattr(r, "restart_streak", None)
-        streak = int(streak_fn()) if callable(streak_fn) else restarts
+        max_r = r.cfg.max_restarts if r.cfg.restart != "no" else None
         return JobView.from_snapshot(r.name, snap, kind=kind, state=state, restarts=restarts,
-                                     max_restarts=max_r, restart_streak=streak,
+                                     max_restarts=max_r, restart_streak=int(r.restart_streak()),
                                      incidents=self._incident_counts(r, db),
-                                     watch_warnings=len(getattr(r, "watch_warnings", ()) or ()))
+                                     watch_warnings=len(r.watch_warnings))
 
-    def _incident_counts(self, r: Any, db: Any) -> dict[str, int]:
+    def _incident_counts(self, r: MetricsJob, db: MetricsDB | None) -> dict[str, int]:
         """By kind, from the state database; re-read when a new incident opens (every new one
         is open first) and at least every minute."""
         if db is None:
             return {}
-        open_ids = frozenset(int(inc["id"]) for inc in (getattr(r, "incidents", {}) or {}).values()
-                             if isinstance(inc, Mapping) and "id" in inc)
+        open_ids = frozenset(int(inc["id"]) for inc in r.incidents.values() if "id" in inc)
         now = time.monotonic()
         cached = self._incidents.get(r.name)
         if cached is not None and open_ids <= cached[0] and now - cached[1] < 60:
@@ -429,7 +489,7 @@ class DaemonMetrics:
         self._incidents[r.name] = (seen, now, counts)
         return counts
 
-    def _is_gave_up(self, name: str, phase: str, restarts: int, db: Any) -> bool:
+    def _is_gave_up(self, name: str, phase: str, restarts: int, db: MetricsDB | None) -> bool:
         """Stopped because the recovery gave up: its last start/restart/give_up action is a
         give_up (the daemon records that phase as "stopped")."""
         cached = self._gave_up.get(name)
