@@ -82,3 +82,10 @@ def test_no_code_assigns_a_phase_but_the_mutators() -> None:
     # job.py: the initial phase, set_phase's edge and its resume; recovery.py: the first phase
     # and _move's edge.
     assert len(found) == 5, "\n".join(found)
+
+
+def test_the_docs_show_the_table_of_edges() -> None:
+    text = (Path(__file__).resolve().parents[1] / "docs" / "daemon.md").read_text()
+    for frm, to in JOB_EDGES.items():
+        row = f"| `{frm}` | " + ", ".join(f"`{t}`" for t in JobPhase if t in to) + " |"
+        assert row in text, row
