@@ -330,8 +330,8 @@ class Daemon:
     def _due_jobs(self, now: float) -> list[JobRunner]:
         """The jobs to tick now, the config's order, those that overran last."""
         limit = self.config.daemon.job_tick_deadline_s
-        due = [r for r in self.jobs.values() if getattr(r, "next_due", 0.0) <= now]
-        return sorted(due, key=lambda r: (getattr(r, "last_tick_s", None) or 0.0) > limit)
+        due = [r for r in self.jobs.values() if r.next_due <= now]
+        return sorted(due, key=lambda r: (r.last_tick_s or 0.0) > limit)
 
     def _spaced(self, runner: JobRunner, start: float, end: float) -> None:
         """After a job's tick: over its deadline because its tree is too wide, or three ticks in
@@ -339,9 +339,9 @@ class Daemon:
         took = end - start
         runner.last_tick_s = took
         over = took > self.config.daemon.job_tick_deadline_s
-        runner.overruns = getattr(runner, "overruns", 0) + 1 if over else 0
-        snap = getattr(runner, "last_snap", None)
-        wide = bool(getattr(getattr(snap, "processes", None), "truncated", ""))
+        runner.overruns = runner.overruns + 1 if over else 0
+        snap = runner.last_snap
+        wide = bool(snap is not None and snap.processes is not None and snap.processes.truncated)
         spaced = over and (wide or runner.overruns >= 3)
         runner.next_due = end + self.OVERRUN_SPACING * took if spaced else 0.0
 

@@ -23,6 +23,7 @@ from stallwatch.daemon.watchwarn import WatchWarnings, job_uid
 from stallwatch.engine import Evaluator, RuleSet
 from stallwatch.engine.alerting import Evaluation, Verdict
 from stallwatch.engine.history import History, sparkline_text, sparklines
+from stallwatch.probes.snapshot import Snapshot
 from stallwatch.vocab import JOB_EDGES, TERMINAL_PHASES, JobPhase, PhaseError, edge
 
 log = logging.getLogger("stallwatch.daemon")
@@ -66,8 +67,8 @@ class JobState:
         self.recovery: Recovery | None = None
         self.incidents: dict[str, dict[str, Any]] = {}
         self._proved_run: int | None = None  # the run whose good behaviour reset the streak
-        self.last_snap = None
-        self.last_alive_snap = None
+        self.last_snap: Snapshot | None = None
+        self.last_alive_snap: Snapshot | None = None
         self.last_eval: Evaluation | None = None
         self.last_vars: dict[str, Any] | None = None
         self.verdict: Verdict | None = None
