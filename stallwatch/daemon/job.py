@@ -3,22 +3,9 @@
 Each tick: the wrapper's status file (did the job start? exit? with what status?) → collector
 tick → features → rules (evaluator.evaluate(now = snapshot.t_mono)) → incidents → actions.
 
-Incidents. One per job and verdict kind *episode*: opened when a problem verdict (hang, io_stall,
-server_hang, server_down, crash, gpu_fault, disk_full, slow) is the job's verdict and no incident
-of that kind is open; resolved when no rule of that kind fires any more, no recovery for it is
-in progress, and the job's verdict is positive evidence of something else (healthy, slow,
-finished, another problem) — not `unknown`. So a crash loop is one incident with several
-restarts, and "resolved" means the job was seen working again, not merely restarted. Every
-incident gets an evidence bundle and a firing alert; resolution sends a resolved alert.
-
-Actions with restart = "on-failure" on crash, hang and io_stall: stallwatch.daemon.recovery.
-server_hang, server_down, gpu_fault and disk_full never restart the job: the fault is outside it
-(the server, a GPU that needs a health check, a full disk), and restarting the client would only
-burn the restart budget; they alert and wait.
-
-A freshly (re)started job gets `startup_grace_s` (default: the stall threshold the features
-computed) before a stall verdict may kill it: its log's last progress line is the previous
-run's, so "no progress for N s" is not yet about this run.
+The layers below JobRunner, a module each: jobstate (its state, phase and collector),
+incidents (when one opens and resolves, its alerts), jobrun (start-up, the run, its exit, and
+acting: recover with stallwatch.daemon.recovery, or settle).
 """
 
 from __future__ import annotations
