@@ -60,6 +60,9 @@ def run_in_thread(name: str, fn, *args, **kwargs) -> Future:
 
 
 class Recovery:
+    """One recovery of one incident. `opts` are fixed when it begins; `job` is asked for what may
+    change while it runs (see stallwatch.daemon.options.RecoveryHost)."""
+
     def __init__(self, opts: RecoveryOptions, job: RecoveryHost, incident_id: int, kind: str, *,
                  targets: list[tuple[int, int]], pgid: int | None,
                  gpu_pids: set[int], candidates: list[str], failure_wall: float,
@@ -117,7 +120,7 @@ class Recovery:
     def _enter(self, phase: str, detail: str = "") -> None:
         phase = self._move(phase)
         self.job.set_phase("recovering", f"{self.kind}: {phase}" + (f" ({detail})" if detail else ""),
-                         recovery_incident=self.incident_id)
+                           recovery_incident=self.incident_id)
         log.info("job %s: recovery from %s: %s%s", self.name, self.kind, phase,
                  f" ({detail})" if detail else "")
 
