@@ -89,3 +89,77 @@ def test_the_docs_show_the_table_of_edges() -> None:
     for frm, to in JOB_EDGES.items():
         row = f"| `{frm}` | " + ", ".join(f"`{t}`" for t in JobPhase if t in to) + " |"
         assert row in text, row
+
+
+def test_a_recovery_walks_to_done_with_the_actions_it_is_given(db: StateDB, tmp_path: Path) -> None:
+    """The actions arrive through options.Actions (the one seam for fakes): a kill whose senders
+    record what they send (and send it, to a real child), a validation that reports one
+    quarantined file; the recovery reads both typed and asks its job (a RecoveryHost) for the
+    restart."""
+    import functools
+    import os
+    import signal
+    import subprocess
+    import time
+    from types import SimpleNamespace
+
+    from stallwatch.actions.kill import KillOperation
+    from stallwatch.actions.validate import Quarantined, ValidationReport
+    from stallwatch.daemon.options import Actions, RecoveryOptions
+    from stallwatch.daemon.recovery import Recovery
+    from stallwatch.daemon.supervise import proc_state
+    from stallwatch.vocab import RecoveryPhase
+
+    sent: list[tuple[int, int]] = []
+
+    def send(pid: int, sig: int) -> None:
+        sent.append((pid, sig))
+        os.kill(pid, sig)
+    validated: list[tuple] = []
+
+    def validate(outputs, since, qdir, **kw):
+        validated.append((outputs, qdir, kw["candidates"], kw["dry_run"]))
+        return ValidationReport(outputs_dir=str(outputs), quarantine_dir=str(qdir), since_wall=since,
+                                checked=2, valid=1,
+                                quarantined=(Quarantined("a.pt", "q/a.pt", "zip cut short"),))
+
+    clock = FakeClock()
+    db.ensure_job("job", "command", "{}")
+    iid, _ = db.open_incident("job", "hang", "hung", {})
+    restarted: list[tuple[int, int]] = []
+    phases: list[str] = []
+    job = SimpleNamespace(
+        cfg=JobConfig(name="job", command=["true"], outputs=tmp_path / "out", restart="on-failure",
+                      restart_backoff_s=1.0),
+        dry_run=False, set_phase=lambda phase, detail="", **kw: phases.append(f"{phase}: {detail}"),
+        emit_alert=lambda *a, **kw: None, restarts=lambda: 0, restart_streak=lambda: 0,
+        restart=lambda attempt, incident: restarted.append((attempt, incident)),
+        resolve_by_restart=lambda incident, attempt: None)
+    actions = Actions(kill=functools.partial(KillOperation, kill=send, killpg=send), validate=validate)
+    opts = RecoveryOptions(name="job", clock=clock, db=db, state_dir=tmp_path, evidence_timeout_s=1.0,
+                           run_started_wall=None, actions=actions)
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        st = proc_state(child.pid)
+        assert st is not None
+        rec = Recovery(opts, job, iid, "hang", targets=[(child.pid, st[1])], pgid=None,
+                       gpu_pids=set(), candidates=["out/a.pt"], failure_wall=0.0)
+        deadline = time.monotonic() + 20
+        while not rec.finished and time.monotonic() < deadline:
+            rec.step(None)
+            if rec.phase is RecoveryPhase.VALIDATE and rec.validation is not None:
+                rec.validation.result(timeout=10)  # the worker thread's answer, not a sleep
+            if sent:
+                child.wait(10)  # its end, after the SIGTERM (reaped: not a zombie of ours)
+            if rec.phase is RecoveryPhase.BACKOFF:
+                clock.advance(0.5)  # only the backoff waits on the clock
+    finally:
+        child.kill()
+        child.wait(10)
+    assert rec.phase is RecoveryPhase.DONE and restarted == [(1, iid)]
+    assert validated == [(tmp_path / "out", tmp_path / "quarantine" / "job", ["out/a.pt"], False)]
+    acts = {a["what"]: a["outcome"] for a in db.actions(iid)}
+    assert sent[0] == (child.pid, signal.SIGTERM) and {p for p, _ in sent} == {child.pid}, sent
+    assert acts["kill"].startswith("done: ") and "SIGTERM" in acts["kill"], acts["kill"]
+    assert acts["validate"] == "checked 2, valid 1, quarantined 1: a.pt → q/a.pt (zip cut short)"
+    assert phases[-1] == "recovering: hang: restart"
