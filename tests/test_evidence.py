@@ -20,7 +20,7 @@ from stallwatch.clock import FakeClock
 from stallwatch.engine.alerting import EvidenceItem, Verdict
 from stallwatch.kernel.kmsgparse import EventKind, KernelEvent
 from stallwatch.probes.base import ProbeStatus
-from stallwatch.probes.kmsg import KernelLogObs
+from stallwatch.probes.kmsg import KmsgObs
 from stallwatch.probes.log import LogProbe
 from stallwatch.probes.processes import ProcessesProbe
 from stallwatch.probes.snapshot import Snapshot
@@ -39,7 +39,7 @@ def snapshot_of(pid: int, tmp_path: Path, server: str | None = None) -> Snapshot
     log.write_text("Generating Hidden States:  49%|####9     | 18380/37312 [5:00:00<5:09:00,"
                    " 1.02it/s]\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
                    "RuntimeError: boom\n")
-    kernel = KernelLogObs(status=ProbeStatus.ok, source="fixture", events=(KernelEvent(
+    kernel = KmsgObs(status=ProbeStatus.ok, source="fixture", events=(KernelEvent(
         kind=EventKind.hung_task, seq=7, kernel_usec=204_000_000, pid=pid, comm="python",
         blocked_for_s=120, message=f"INFO: task python:{pid} blocked for more than 120 seconds."),))
     return Snapshot(t_mono=1000.0, t_wall=time.time(), host="test", target=target,

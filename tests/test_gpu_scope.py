@@ -16,7 +16,7 @@ from stallwatch.engine.features import features
 from stallwatch.kernel.kmsgparse import EventKind, KernelEvent
 from stallwatch.probes.base import ProbeStatus
 from stallwatch.probes.gpu import GpuDeviceObs, GpuObs, GpuProcessObs, XidEventObs
-from stallwatch.probes.kmsg import KernelLogObs
+from stallwatch.probes.kmsg import KmsgObs
 from stallwatch.probes.processes import ProcessesProbe
 from stallwatch.probes.snapshot import Snapshot
 from stallwatch.probes.targets import Target
@@ -43,7 +43,7 @@ def node(job_on: tuple[int, ...], xid_on: int | None = None, lost: tuple[int, ..
                                                   kind="compute", used_bytes=1 << 30)])
             for i in range(8)]
     xids = [XidEventObs(seq=1, gpu_index=xid_on, kind="xid", xid=79, wall_time=now)] if xid_on is not None else []
-    kernel = KernelLogObs(status=ProbeStatus.ok, source="fixture", events=tuple(
+    kernel = KmsgObs(status=ProbeStatus.ok, source="fixture", events=tuple(
         [KernelEvent(kind=EventKind.gpu_xid, seq=3, kernel_usec=1, xid=79, pci=kernel_pci,
                      message=f"NVRM: Xid (PCI:{kernel_pci}): 79, GPU has fallen off the bus.")]
         if kernel_pci else []))

@@ -15,7 +15,7 @@ import pytest
 from stallwatch.clock import FakeClock
 from stallwatch.kernel.kmsgparse import EventKind, KernelEventParser, parse_event, parse_record
 from stallwatch.probes.base import ProbeStatus
-from stallwatch.probes.kmsg import KernelLogObs, KernelLogProbe
+from stallwatch.probes.kmsg import KmsgObs, KmsgProbe
 from stallwatch.kernel.roots import Roots
 
 from rigs import HOST1, OOM_MEMCG_V1, capture_copy, enter_or_skip, memory_cgroup
@@ -132,7 +132,7 @@ def test_parser_emits_a_lone_summary_after_a_batch() -> None:
 # -- the probe on a captured root ---------------------------------------------------------------------
 
 def test_probe_history_reads_fixture_and_rings() -> None:
-    probe = KernelLogProbe(roots=Roots.under(HOST1), clock=FakeClock(), history=True, ring_size=5)
+    probe = KmsgProbe(roots=Roots.under(HOST1), clock=FakeClock(), history=True, ring_size=5)
     obs = probe.collect()
     assert obs.status is ProbeStatus.ok and obs.cursor == 642 and obs.prev_cursor is None
     assert obs.records_read == 25  # continuation lines are part of their record
@@ -144,13 +144,13 @@ def test_probe_history_reads_fixture_and_rings() -> None:
     assert oom.wall_time == pytest.approx(1795989902 + 740.0001)
     # the seq gaps
     assert obs.records_lost == (456 - 284) + (599 - 458) + (609 - 603) + (619 - 613) + (629 - 628) + (639 - 631)
-    assert KernelLogObs.model_validate_json(obs.model_dump_json()) == obs
+    assert KmsgObs.model_validate_json(obs.model_dump_json()) == obs
 
 
 def test_probe_tails_from_the_end_and_keeps_its_cursor(tmp_path: Path) -> None:
     roots = Roots.under(capture_copy(HOST1, tmp_path / "host1"))
     kmsg = roots.kmsg
-    probe = KernelLogProbe(roots=roots, clock=FakeClock())
+    probe = KmsgProbe(roots=roots, clock=FakeClock())
     first = probe.collect()
     assert first.status is ProbeStatus.ok and first.records_read == 0 and first.events == ()
     with open(kmsg, "a") as f:
@@ -168,12 +168,12 @@ def test_probe_tails_from_the_end_and_keeps_its_cursor(tmp_path: Path) -> None:
 
 
 def test_probe_resumes_after_a_stored_cursor() -> None:
-    obs = KernelLogProbe(roots=Roots.under(HOST1), clock=FakeClock(), cursor=630).collect()
+    obs = KmsgProbe(roots=Roots.under(HOST1), clock=FakeClock(), cursor=630).collect()
     assert [e.seq for e in obs.events] == [641]  # 631 is userspace; 640+641 are one OOM kill
 
 
 def test_probe_absent_and_denied(tmp_path: Path) -> None:
-    obs = KernelLogProbe(roots=Roots.under(tmp_path), clock=FakeClock()).collect()
+    obs = KmsgProbe(roots=Roots.under(tmp_path), clock=FakeClock()).collect()
     assert obs.status is ProbeStatus.absent and obs.events == ()
 
 
@@ -188,7 +188,7 @@ def test_probe_denied_for_an_unprivileged_user() -> None:
             try:
                 os.setgid(65534)
                 os.setuid(65534)
-                obs = KernelLogProbe().collect()
+                obs = KmsgProbe().collect()
                 code = {ProbeStatus.denied: 10, ProbeStatus.ok: 11}.get(obs.status, 12)
                 code += 10 if obs.error and "CAP_SYSLOG" in obs.error else 0
             finally:
@@ -196,7 +196,7 @@ def test_probe_denied_for_an_unprivileged_user() -> None:
         _, status = os.waitpid(pid, 0)
         code = os.waitstatus_to_exitcode(status)
     else:
-        obs = KernelLogProbe().collect()
+        obs = KmsgProbe().collect()
         code = {ProbeStatus.denied: 10, ProbeStatus.ok: 11}.get(obs.status, 12)
         code += 10 if obs.error and "CAP_SYSLOG" in obs.error else 0
     if restricted:
@@ -210,7 +210,7 @@ def test_probe_denied_for_an_unprivileged_user() -> None:
 @pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root: creates a memory cgroup and reads /dev/kmsg")
 def test_real_oom_kill_is_reported_with_the_victims_pid() -> None:
-    probe = KernelLogProbe(history=False)
+    probe = KmsgProbe(history=False)
     first = probe.collect()  # opened at the end of the log, before the OOM happens
     if first.status is not ProbeStatus.ok:
         pytest.skip(f"/dev/kmsg not readable here: {first.error}")

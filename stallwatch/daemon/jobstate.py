@@ -228,7 +228,7 @@ class JobState:
         if self.collector is not None:
             return
         from stallwatch.probes.collector import Collector
-        from stallwatch.probes.kmsg import KernelLogProbe
+        from stallwatch.probes.kmsg import KmsgProbe
 
         self.collector = Collector(self._target(pids), clock=self.clock,
                                    deadline_s=self.daemon_cfg.probe_deadline_s,
@@ -242,7 +242,7 @@ class JobState:
                 self.collector.kmsg.close()
             except Exception:  # noqa: BLE001
                 pass
-            self.collector.kmsg = KernelLogProbe(clock=self.clock, cursor=row["kmsg_cursor"])
+            self.collector.kmsg = KmsgProbe(clock=self.clock, cursor=row["kmsg_cursor"])
 
     def _processes_probe(self, target: Any, **kw: Any) -> Any:
         """The job's processes probe, bounded (issue 22 #9, #10): the caps of its config, half

@@ -30,7 +30,7 @@ class Outcome(StrEnum):
 
 class ProbeStatus(StrEnum):
     """The one status vocabulary of the probes: of a probe's run (ProbeReport) and of what an
-    observation says about its source (`status` of LogObs, OutputsObs, GpuObs, KernelLogObs,
+    observation says about its source (`status` of LogObs, OutputsObs, GpuObs, KmsgObs,
     ServerLogObs, of a disk path). Each value has its `outcome`; a run's report uses only the
     first six, and an observation's finer reason is `reported` as one of them."""
 

@@ -15,7 +15,7 @@ from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.probes.base import DeadlineRunner, Probe, report_for_observation, run_inline
 from stallwatch.probes.disks import DisksProbe
 from stallwatch.probes.gpu import GpuProbe
-from stallwatch.probes.kmsg import KernelLogProbe
+from stallwatch.probes.kmsg import KmsgProbe
 from stallwatch.probes.log import LogProbe
 from stallwatch.probes.outputs import OutputsProbe
 from stallwatch.probes.processes import ProcessesObs, ProcessesProbe
@@ -61,7 +61,7 @@ class Collector:
         # The server's own log: configured, or found next tick from its stdout/stderr.
         self.server_log = (ServerLogProbe(target.server_log, clock, reader=reader)
                            if target.server or target.server_log else None)
-        self.kmsg = KernelLogProbe(roots=roots, clock=clock, history=kernel_history)
+        self.kmsg = KmsgProbe(roots=roots, clock=clock, history=kernel_history)
         self._static_paths = [str(p) for p in (target.log and Path(target.log).parent,
                                                target.outputs) if p]
         # statvfs has its own deadline inside the probe, so a stuck mount is named in the result;

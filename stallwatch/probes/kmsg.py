@@ -28,7 +28,7 @@ from stallwatch.kernel.roots import DEFAULT_ROOTS, Absent, Denied, Roots
 _READ_SIZE = 16384  # above the kernel's record limit (CONSOLE_EXT_LOG_MAX, 8 KiB): no EINVAL
 
 
-class KernelLogObs(Frozen):
+class KmsgObs(Frozen):
     status: ProbeStatus
     error: str | None = None
     source: str
@@ -147,7 +147,7 @@ class KmsgReader:
         return out
 
 
-class KernelLogProbe:
+class KmsgProbe:
     name = "kmsg"
 
     def __init__(
@@ -184,20 +184,20 @@ class KernelLogProbe:
         (a capture) could sit on a filesystem that hangs: a worker then, as every probe."""
         return self._reader.is_device
 
-    def collect(self) -> KernelLogObs:
+    def collect(self) -> KmsgObs:
         common: dict[str, Any] = dict(source=str(self.roots.kmsg), history=self._reader.history)
         prev = self._reader.last_seq
         try:
             self.open()
             records = self._reader.read(self.max_records_per_tick)
         except Absent as e:
-            return KernelLogObs(status=ProbeStatus.absent, error=str(e), **common)
+            return KmsgObs(status=ProbeStatus.absent, error=str(e), **common)
         except Denied as e:
             self._reader.close()
-            return KernelLogObs(status=ProbeStatus.denied, error=str(e), **common)
+            return KmsgObs(status=ProbeStatus.denied, error=str(e), **common)
         except OSError as e:
             self._reader.close()  # reopen next tick rather than read a broken descriptor forever
-            return KernelLogObs(status=ProbeStatus.error, error=f"{self.roots.kmsg}: {e}", **common)
+            return KmsgObs(status=ProbeStatus.error, error=f"{self.roots.kmsg}: {e}", **common)
         assert self._parser is not None
         new: list[KernelEvent] = []
         for rec in records:
@@ -206,7 +206,7 @@ class KernelLogProbe:
         for ev in new:
             self._ring.append(ev)
             self._counts[ev.kind.value] += 1
-        return KernelLogObs(
+        return KmsgObs(
             status=ProbeStatus.ok, cursor=self._reader.last_seq, prev_cursor=prev,
             records_read=len(records), records_lost=self._reader.lost, events=tuple(self._ring),
             counts=dict(self._counts), boot_wall_time=self._boot_wall, **common,

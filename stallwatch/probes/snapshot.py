@@ -15,7 +15,7 @@ from stallwatch.model import Frozen
 from stallwatch.probes.base import ProbeReport, ProbeStatus
 from stallwatch.probes.disks import DisksObs
 from stallwatch.probes.gpu import GpuObs
-from stallwatch.probes.kmsg import KernelLogObs
+from stallwatch.probes.kmsg import KmsgObs
 from stallwatch.probes.log import LogObs
 from stallwatch.probes.outputs import OutputsObs
 from stallwatch.probes.processes import ProcessesObs
@@ -43,7 +43,7 @@ class Snapshot(Frozen):
     outputs: Annotated[OutputsObs | None, ProbeName("outputs")] = None
     disks: Annotated[DisksObs | None, ProbeName("disks")] = None
     server: Annotated[ServerObs | None, ProbeName("server")] = None
-    kernel: Annotated[KernelLogObs | None, ProbeName("kmsg")] = None
+    kernel: Annotated[KmsgObs | None, ProbeName("kmsg")] = None
     # the tree listening on the server's port
     server_processes: Annotated[ProcessesObs | None, ProbeName("server_processes")] = None
     server_log: Annotated[ServerLogObs | None, ProbeName("server_log")] = None  # the server's own log
