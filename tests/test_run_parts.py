@@ -173,6 +173,29 @@ def test_rank_bars_get_a_rate_and_eta_from_what_the_view_saw() -> None:
     assert ranks[0]["rate_per_s"] is None and ranks[1]["rate_per_s"] == 0.1
 
 
+def test_the_view_shows_only_the_incidents_of_its_own_run() -> None:
+    """`stallwatch run` in a terminal: an incident of an earlier run, in the same state
+    directory, is not this run's (the foreground daemon gives the view its start, wall time)."""
+    from types import SimpleNamespace
+
+    from stallwatch.commands.live import job_view
+
+    def runner(started_wall: float):
+        inc = {"id": 1, "kind": "hang", "started_at": started_wall, "resolved_at": None}
+        db = SimpleNamespace(incidents=lambda *a, **k: [inc], job=lambda n: {"restarts": 0},
+                             actions=lambda i: [{"what": "kill", "outcome": "done"}])
+        return SimpleNamespace(name="x", db=db, phase="running", verdict=None, run_row=None,
+                               last_vars={}, history=SimpleNamespace(samples=[]),
+                               cfg=SimpleNamespace(supervised=True, restartable=True,
+                                                   restart="no", max_restarts=3))
+
+    opened = 1_700_000_000.0
+    assert job_view(runner(opened - 3600.0), since_wall=opened)["incident"] is None
+    shown = job_view(runner(opened + 5.0), since_wall=opened)["incident"]
+    assert shown["kind"] == "hang" and shown["last_action"] == "kill: done"
+    assert job_view(runner(opened - 3600.0))["incident"] is not None  # no start given: all
+
+
 def test_a_recorded_h200_stop_drawn_from_its_trace() -> None:
     """The trace recorded on an H200 (tests/data/gpu_h200_stop_kill.jsonl): the job ran at full
     GPU, then its progress stopped while the GPU went idle, then it was killed and the memory

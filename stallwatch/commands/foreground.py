@@ -59,7 +59,7 @@ class ForegroundDaemon(Daemon):
         self.exit_code: int | None = None
         self._signals: list[int] = []
         self.final_views: list[dict[str, Any]] = []
-        self.opened_at: float | None = None  # the view shows this run's incidents only
+        self.opened_wall: float | None = None  # the view shows this run's incidents only
 
     # ---------------------------------------------------------------------------- signals
 
@@ -122,7 +122,7 @@ class ForegroundDaemon(Daemon):
         """A job that ended (finished, stopped, given up) under an earlier run of this command
         is started again: a foreground run means "run it now". One still running (stallwatch was
         killed, the job was not) is re-attached to, never started a second time beside itself."""
-        now = self.opened_at = self.clock.time()
+        now = self.opened_wall = self.clock.time()
         for job in self.config.job:
             row = self.db.job(job.name)
             if not job.supervised or row is None:
@@ -223,7 +223,7 @@ class ForegroundDaemon(Daemon):
             try:  # what the view shows last, while the state database is still open
                 from stallwatch.commands.live import job_view
 
-                self.final_views = [job_view(r) for r in self.jobs.values()]
+                self.final_views = [job_view(r, since_wall=self.opened_wall) for r in self.jobs.values()]
             except Exception:
                 log.exception("the live view's last state")
         super().shutdown()

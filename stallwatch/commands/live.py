@@ -157,8 +157,10 @@ def _rank_bars(name: str, lg: dict[str, Any], pace: Pace | None, now: float) -> 
     return out
 
 
-def job_view(runner: Any, pace: Pace | None = None, now: float | None = None) -> dict[str, Any]:
-    """What the views show of one job, from its runner (read only, once per tick)."""
+def job_view(runner: Any, pace: Pace | None = None, now: float | None = None,
+             since_wall: float | None = None) -> dict[str, Any]:
+    """What the views show of one job, from its runner (read only, once per tick); an incident
+    only if it started after `since_wall` (the view's own run, Unix seconds) when given."""
     v = runner.last_vars or {}
     verdict = runner.verdict
     incident = None
@@ -166,8 +168,7 @@ def job_view(runner: Any, pace: Pace | None = None, now: float | None = None) ->
         rows = runner.db.incidents(runner.name, limit=1)
     except Exception:  # noqa: BLE001 - the view never stops the watch
         rows = []
-    since = getattr(getattr(runner, "daemon", None), "opened_at", None)
-    if rows and (since is None or rows[-1]["started_at"] >= since - 1.0):  # this run's only
+    if rows and (since_wall is None or rows[-1]["started_at"] >= since_wall - 1.0):  # this run's
         inc = rows[-1]
         try:
             acts = [f"{a['what']}: {a['outcome']}" for a in runner.db.actions(inc["id"])
@@ -400,7 +401,7 @@ class Footer:
 
     def update(self, daemon: Any) -> None:
         t0 = time.process_time()
-        views = [job_view(r, self.pace) for r in daemon.jobs.values()]
+        views = [job_view(r, self.pace, since_wall=daemon.opened_wall) for r in daemon.jobs.values()]
         self._last = footer_text(views, max(20, self.cols))
         self._redraw(self._last)
         self.draw_s += time.process_time() - t0
@@ -447,7 +448,7 @@ class PlainView:
     def update(self, daemon: Any) -> None:
         now = self.clock()
         for r in daemon.jobs.values():
-            v = job_view(r)
+            v = job_view(r, since_wall=daemon.opened_wall)
             key = (v["verdict"], v["phase"])
             if key != self._last.get(r.name) or now - self._at.get(r.name, -1e9) >= self.every_s:
                 self._last[r.name] = key

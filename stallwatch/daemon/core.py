@@ -105,7 +105,7 @@ class Daemon:
         self.started = threading.Event()  # set after the first tick (tests wait on it)
         self._metrics: Any = None
         self._job_errors: dict[str, tuple[str, float, int]] = {}  # job -> (error, logged at, n)
-        self._write_back_at = 0.0
+        self._write_back_mono = 0.0
         self._pruned_mono: float | None = None  # when saved alert state was last pruned
 
     # ------------------------------------------------------------------------------- control
@@ -279,8 +279,8 @@ class Daemon:
             self._spaced(runner, t_job, self.clock.monotonic())
         if self.db is not None and self.db.degraded:
             now = self.clock.monotonic()
-            if now - self._write_back_at >= 10.0:
-                self._write_back_at = now
+            if now - self._write_back_mono >= 10.0:
+                self._write_back_mono = now
                 self.db.write_back()
         dur = self.clock.monotonic() - t0
         self.ticks += 1

@@ -149,8 +149,8 @@ class JobRunner(JobRun):
     def _record(self, snap: Any, v: dict[str, Any]) -> None:
         self.history.add(sample(snap.t_wall, v, snap))
         now = self.clock.monotonic()
-        if self._history_saved_at is None or now - self._history_saved_at >= HISTORY_SAVE_S:
-            self._history_saved_at = now
+        if self._history_saved_mono is None or now - self._history_saved_mono >= HISTORY_SAVE_S:
+            self._history_saved_mono = now
             self.db.set_meta(f"history:{self.name}",
                              json.dumps(self.history.docs(HISTORY_WINDOW_S)))
 

@@ -373,10 +373,10 @@ class JobRun(JobIncidents):
         alive = self._pid_file_pid is not None and snap is not None and any(
             p.pid == self._pid_file_pid and p.role == "target" and p.state not in ("Z", "X")
             for p in (snap.processes.processes if snap.processes is not None else ()))
-        if alive and self._pid_file_read_at is not None \
-                and now - self._pid_file_read_at < PID_FILE_RECHECK_S:
+        if alive and self._pid_file_read_mono is not None \
+                and now - self._pid_file_read_mono < PID_FILE_RECHECK_S:
             return False
-        self._pid_file_read_at = now
+        self._pid_file_read_mono = now
         return True
 
     def _poll_pid_file(self) -> None:

@@ -75,7 +75,7 @@ class JobState:
         self._gone_ticks = 0
         self._starting_since: float | None = None
         self._pid_file_pid: int | None = None
-        self._pid_file_read_at: float | None = None  # monotonic
+        self._pid_file_read_mono: float | None = None
         self._spawn_error = ""
         self._refused_status: set[str] = set()
         self._pid_file_refused = ""
@@ -90,7 +90,7 @@ class JobState:
         # The last minutes as numbers (stallwatch.engine.history): sparklines in the live view, alerts,
         # evidence and `status` (saved in the state database every HISTORY_SAVE_S).
         self.history = History()
-        self._history_saved_at: float | None = None
+        self._history_saved_mono: float | None = None
 
     # ------------------------------------------------------------------------------ helpers
 

@@ -95,7 +95,7 @@ class Recovery:
         self.entered = self.clock.monotonic()
         self.kill: KillOperation | None = None
         self.validation: Future[ValidationReport] | None = None
-        self.restart_at: float | None = None
+        self.restart_due_mono: float | None = None
         self.attempt: int | None = None
         self._said: set[str] = set()
         self.dry_run_walked = False
@@ -305,10 +305,10 @@ class Recovery:
                               f"{cfg.max_restarts}")
                 return
             wait = cfg.backoff_s(done + 1)
-            self.restart_at = self.clock.monotonic() + wait
+            self.restart_due_mono = self.clock.monotonic() + wait
             self._enter("backoff", f"restart {self.attempt} of {cfg.max_restarts} in {wait:g} s")
             return
-        if self.restart_at is not None and self.clock.monotonic() < self.restart_at:
+        if self.restart_due_mono is not None and self.clock.monotonic() < self.restart_due_mono:
             return
         self._enter("restart")
 
