@@ -61,3 +61,15 @@ def webhook(receiver_factory):
     every alert it has received so far (a live list)."""
     rx = receiver_factory()
     return rx.url("/hook"), rx.bodies
+
+
+@pytest.fixture
+def h(tmp_path):
+    """A daemonkit.Harness in tmp_path: its daemons and their jobs are gone after the test."""
+    from daemonkit import Harness
+
+    harness = Harness(tmp_path)
+    try:
+        yield harness
+    finally:
+        harness.cleanup()

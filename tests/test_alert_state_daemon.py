@@ -18,7 +18,7 @@ import pytest
 
 from stallwatch.daemon.alertmemory import ANCHOR_SLACK_S
 from rigs import wait_until
-from test_daemon_live import Harness, h  # noqa: F401 - h: the harness fixture, shared
+from daemonkit import Harness
 
 # A saved anchor is rewritten only when it moves by more than ANCHOR_SLACK_S (or the state
 # changes); a timer that started over moves it by seconds.

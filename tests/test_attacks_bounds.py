@@ -91,8 +91,8 @@ class BoundsRig(AttackRig):
 
 
 def _fast_rules(dest: Path) -> Path:
-    """The built-in rules with small stall thresholds (test_daemon_live.fast_rules)."""
-    from test_daemon_live import fast_rules
+    """The built-in rules with small stall thresholds (daemonkit.fast_rules)."""
+    from daemonkit import fast_rules
 
     return fast_rules(dest)
 

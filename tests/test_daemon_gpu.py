@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from test_daemon_live import Harness, fast_rules
+from daemonkit import Harness, fast_rules
 
 JOB = r"""
 import os, sys, threading, time

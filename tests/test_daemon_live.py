@@ -20,204 +20,16 @@ import subprocess
 import sys
 import threading
 import time
-import zipfile
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from stallwatch.actions.filecheck import validate_file
 
-from rigs import live_processes, query_state, wait_until
-
-ROOT = Path(__file__).resolve().parents[1]
-WRITER = ROOT / "tests" / "jobs" / "pt_writer.py"
+from daemonkit import Harness, fast_rules, scan_writers, start_ticks
+from rigs import wait_until
 
 pytestmark = pytest.mark.slow
-
-
-# --------------------------------------------------------------------------------- harness
-
-def fast_rules(dest: Path) -> Path:
-    """The built-in rules with small stall thresholds: 3 s without progress, 2 s in D, 1 s `for`."""
-    dest.mkdir()
-    for f in sorted((ROOT / "rules").glob("*.toml")):
-        text = f.read_text()
-        text = text.replace("proc.d_quiet_s >= 10", "proc.d_quiet_s >= 2")
-        text = text.replace("!activity.working",
-                            "!(activity.known && activity.age_s >= 0.0 && activity.age_s < 2.0)")
-        text = text.replace("stall_threshold_s", "3.0")
-        text = re.sub(r'^for = "2s"', 'for = "1s"', text, flags=re.M)
-        (dest / f.name).write_text(text)
-    return dest
-
-
-def scan_writers(marker: str) -> list[tuple[int, str]]:
-    """(pid, state) of every live pt_writer process whose command line names `marker`."""
-    # argv[1]: the writer itself, not its wrapper (which names it after `--`)
-    return [(p.pid, p.state) for p in live_processes(marker)
-            if len(p.argv) > 1 and p.argv[1].endswith(b"pt_writer.py")]
-
-
-class Harness:
-    def __init__(self, tmp_path: Path) -> None:
-        self.dir = tmp_path
-        self.state = tmp_path / "state"
-        self.out = tmp_path / "out"
-        self.log = tmp_path / "job.log"
-        self.cfg = tmp_path / "sw.toml"
-        self.daemons: list[subprocess.Popen] = []
-
-    # -- config and daemon
-
-    def write_config(self, job_args: list[str], *, rules: Path | None = None, job: str = "",
-                     daemon: str = "", alerts: str = "", interval: float = 0.25,
-                     outputs: Path | None = None, command: list[str] | None = None,
-                     kill_grace_s: float = 1) -> Path:
-        """The daemon's config for one job "extract": pt_writer with `job_args`, or `command`."""
-        command = command or [sys.executable, str(WRITER), "--out", str(outputs or self.out),
-                              *job_args]
-        text = f"""
-[daemon]
-interval_s = {interval}
-state_dir = "{self.state}"
-{f'rules = ["{rules}"]' if rules else ""}
-{daemon}
-
-[[job]]
-name = "extract"
-command = {json.dumps(command)}
-cwd = "{self.dir}"
-log = "{self.log}"
-outputs = "{outputs or self.out}"
-restart = "on-failure"
-restart_backoff_s = 0.2
-kill_grace_s = {kill_grace_s}
-{job}
-
-{alerts}
-"""
-        self.cfg.write_text(text)
-        self.cfg.chmod(0o644)
-        return self.cfg
-
-    def start(self, env: dict[str, str] | None = None) -> subprocess.Popen:
-        n = len(self.daemons)
-        with open(self.dir / f"daemon-{n}.log", "wb") as err:
-            p = subprocess.Popen([sys.executable, "-m", "stallwatch", "run", "--config", str(self.cfg)],
-                                 stdout=err, stderr=subprocess.STDOUT, cwd=self.dir,
-                                 env={**os.environ, **(env or {})})
-        self.daemons.append(p)
-        return p
-
-    def wait_phase(self, phase: str, timeout: float, name: str = "extract") -> None:
-        """Wait for the job's phase; fail at once, with the daemon's log, if the daemon died."""
-        def probe() -> bool:
-            d = self.daemons[-1]
-            if d.poll() is not None:
-                raise AssertionError(f"the daemon exited ({d.returncode}):\n"
-                                     + self.daemon_log()[-3000:])
-            return self.phase(name) == phase
-        wait_until(probe, timeout, f"job {name} to be {phase}")
-
-    def daemon_log(self, n: int = -1) -> str:
-        n = n if n >= 0 else len(self.daemons) - 1
-        return (self.dir / f"daemon-{n}.log").read_text(errors="replace")
-
-    def wait_log(self, pattern: str, timeout: float, n: int = -1) -> re.Match:
-        return wait_until(lambda: re.search(pattern, self.daemon_log(n)), timeout,
-                        f"daemon log line /{pattern}/")
-
-    def stop(self, p: subprocess.Popen, sig: int = signal.SIGTERM) -> int:
-        p.send_signal(sig)
-        return p.wait(30)
-
-    # -- state database
-
-    def q(self, sql: str, args: tuple = ()) -> list[dict[str, Any]]:
-        return query_state(self.state, sql, args)
-
-    def job(self, name: str = "extract") -> dict[str, Any] | None:
-        rows = self.q("SELECT * FROM jobs WHERE name = ?", (name,))
-        return rows[0] if rows else None
-
-    def phase(self, name: str = "extract") -> str | None:
-        j = self.job(name)
-        return j["phase"] if j else None
-
-    def incidents(self) -> list[dict[str, Any]]:
-        return self.q("SELECT * FROM incidents ORDER BY id")
-
-    def actions(self, what: str | None = None) -> list[dict[str, Any]]:
-        if what:
-            return self.q("SELECT * FROM actions WHERE what = ? ORDER BY id", (what,))
-        return self.q("SELECT * FROM actions ORDER BY id")
-
-    def ticks(self) -> int:
-        rows = self.q("SELECT value FROM meta WHERE key = 'ticks'")
-        return int(rows[0]["value"]) if rows and rows[0]["value"] else 0
-
-    def status_json(self) -> dict[str, Any]:
-        r = subprocess.run([sys.executable, "-m", "stallwatch", "status", "--json", "--config",
-                            str(self.cfg), "--state-dir", str(self.state)],
-                           capture_output=True, text=True, timeout=60)
-        assert r.returncode in (0, 1, 2, 3), r.stderr
-        return json.loads(r.stdout)
-
-    # -- outputs
-
-    def assert_outputs_complete(self, count: int) -> None:
-        names = sorted(p.name for p in self.out.iterdir())
-        assert names == sorted(f"data_{i}.pt" for i in range(count)), names
-        for i in range(count):
-            p = self.out / f"data_{i}.pt"
-            ok, why = validate_file(p)
-            assert ok, f"{p}: {why}"
-            with zipfile.ZipFile(p) as z:
-                assert z.testzip() is None
-
-    # -- cleanup: daemons, then every job process started under this test's directory
-
-    def cleanup(self) -> None:
-        for p in self.daemons:
-            if p.poll() is None:
-                p.kill()
-                p.wait(30)
-        for sf in (self.state / "runs").glob("*.json") if (self.state / "runs").exists() else ():
-            try:
-                doc = json.loads(sf.read_text())
-            except (OSError, ValueError):
-                continue
-            for pid, ticks in ((doc.get("pid"), doc.get("start_ticks")),
-                               (doc.get("wrapper_pid"), doc.get("wrapper_start_ticks"))):
-                if pid and _ticks(pid) == ticks:
-                    try:
-                        os.killpg(pid, signal.SIGKILL) if pid == doc.get("pgid") else \
-                            os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-        for pid, _ in scan_writers(str(self.dir)):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-def _ticks(pid: int) -> int | None:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(text[text.rfind(")") + 2:].split()[19])
-
-
-@pytest.fixture
-def h(tmp_path: Path):
-    harness = Harness(tmp_path)
-    try:
-        yield harness
-    finally:
-        harness.cleanup()
 
 
 # ----------------------------------------------------------------------------------- tests
@@ -360,7 +172,7 @@ def test_daemon_sigkilled_mid_run_new_daemon_reattaches(h: Harness, tmp_path: Pa
     wait_until(lambda: "10/70" in h.log.read_text(), 30, "some progress of run 2")
     first.kill()  # SIGKILL: no chance to tidy up
     first.wait(30)
-    assert _ticks(pid) == ticks, "the job outlives its daemon"
+    assert start_ticks(pid) == ticks, "the job outlives its daemon"
     writers = scan_writers(str(h.out))
     assert writers == [(pid, writers[0][1])]
 
@@ -402,7 +214,7 @@ def test_reused_pid_is_never_adopted_or_killed(h: Harness, tmp_path: Path) -> No
     # The machine "reboots": the job and its wrapper vanish without a word ...
     os.kill(run["wrapper_pid"], signal.SIGKILL)
     os.killpg(run["pgid"], signal.SIGKILL)
-    wait_until(lambda: _ticks(run["pid"]) is None or _ticks(run["pid"]) != run["start_ticks"], 10,
+    wait_until(lambda: start_ticks(run["pid"]) is None or start_ticks(run["pid"]) != run["start_ticks"], 10,
              "the job to be gone")
     # ... and an unrelated process now holds the job's pid (same pid, another start time).
     record = tmp_path / "signals.txt"
@@ -410,7 +222,7 @@ def test_reused_pid_is_never_adopted_or_killed(h: Harness, tmp_path: Path) -> No
                                 stdout=subprocess.PIPE, start_new_session=True)
     try:
         assert stranger.stdout.readline() == b"ready\n"
-        st = _ticks(stranger.pid)
+        st = start_ticks(stranger.pid)
         conn = sqlite3.connect(h.state / "stallwatch.db")
         conn.execute("UPDATE runs SET pid = ?, pgid = ?, start_ticks = ? WHERE id = ?",
                      (stranger.pid, stranger.pid, st - 1, run["id"]))
@@ -430,7 +242,7 @@ def test_reused_pid_is_never_adopted_or_killed(h: Harness, tmp_path: Path) -> No
         inc = h.incidents()[-1]
         assert inc["kind"] == "crash" and "lost" in inc["verdict_json"]
         # ... while the stranger was never signalled, never adopted.
-        assert stranger.poll() is None and _ticks(stranger.pid) == st
+        assert stranger.poll() is None and start_ticks(stranger.pid) == st
         assert not record.exists(), record.read_text()
         new = h.q("SELECT * FROM runs ORDER BY id")[-1]
         assert new["pid"] != stranger.pid and h.job()["pid"] == new["pid"]
@@ -513,7 +325,7 @@ def test_bad_reload_keeps_old_config_and_sd_notify(h: Harness, tmp_path: Path) -
         pid = h.job()["pid"]
         assert h.stop(daemon) == 0
         expect("STOPPING")
-        assert _ticks(pid) is not None and scan_writers(str(h.out)) != []
+        assert start_ticks(pid) is not None and scan_writers(str(h.out)) != []
         assert "jobs left running" in h.daemon_log()
     finally:
         done.set()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from rigs import wait_until
-from test_daemon_live import Harness, fast_rules, scan_writers
+from daemonkit import Harness, fast_rules, scan_writers
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from rigs import wait_until
-from test_daemon_live import WRITER, Harness, h, scan_writers  # noqa: F401 - h: a fixture
+from daemonkit import Harness, scan_writers
 
 from stallwatch.daemon.state import DB_NAME, StateDB
 

@@ -3,7 +3,7 @@ through a terminal emulator (pyte), real faults (tests/jobs/pt_writer.py: a dead
 a real Ctrl-C byte typed into the terminal, the loopback Slack receiver.
 
 Every wait is on what the screen, a pipe or the state database shows, with a deadline; the
-rules are the built-in ones with small thresholds (test_daemon_live.fast_rules).
+rules are the built-in ones with small thresholds (daemonkit.fast_rules).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import pytest
 from stallwatch.engine.history import from_docs, sparkline_text, sparklines
 from rigs import query_state
 from alertkit import SLACK_PATH
-from test_daemon_live import fast_rules, scan_writers
+from daemonkit import fast_rules, scan_writers
 
 ROOT = Path(__file__).resolve().parents[1]
 WRITER = ROOT / "tests" / "jobs" / "pt_writer.py"

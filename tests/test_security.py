@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from rigs import wait_until
-from test_daemon_live import WRITER
+from daemonkit import WRITER
 
 from stallwatch.daemon.config import load_config
 from stallwatch.engine import load_rules

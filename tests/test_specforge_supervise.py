@@ -25,7 +25,7 @@ import torch
 
 from stallwatch.actions.filecheck import validate_file
 from rigs import live_processes
-from test_daemon_live import Harness, fast_rules
+from daemonkit import Harness, fast_rules
 
 pytestmark = pytest.mark.slow
 
