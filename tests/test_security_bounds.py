@@ -282,8 +282,10 @@ def test_a_job_over_its_tick_deadline_is_ticked_less_often_and_last() -> None:
 
     cfg = SimpleNamespace(daemon=SimpleNamespace(job_tick_deadline_s=0.5))
     too_wide = SimpleNamespace(processes=SimpleNamespace(truncated="more than max_processes"))
-    wide = SimpleNamespace(name="wide", last_snap=too_wide)
-    victim = SimpleNamespace(name="victim", last_snap=None)
+    # What Daemon._due_jobs and _spaced read of a runner (a JobRunner starts with these).
+    fresh = {"next_due": 0.0, "last_tick_s": None, "overruns": 0}
+    wide = SimpleNamespace(name="wide", last_snap=too_wide, **fresh)
+    victim = SimpleNamespace(name="victim", last_snap=None, **fresh)
     d = SimpleNamespace(config=cfg, jobs={"wide": wide, "victim": victim},
                         OVERRUN_SPACING=Daemon.OVERRUN_SPACING)
     assert Daemon._due_jobs(d, 0.0) == [wide, victim]  # the config's order

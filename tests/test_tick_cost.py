@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from stallwatch.daemon import job as job_module
+from stallwatch.daemon import jobrun as job_module
 from stallwatch.daemon.config import load_config
 from stallwatch.daemon.core import Daemon
 from stallwatch.daemon.state import StateDB
