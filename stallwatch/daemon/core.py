@@ -316,6 +316,8 @@ class Daemon:
     def _prune_alert_state(self) -> None:
         """Removed jobs' saved alert state, once it can no longer be restored (alertmemory)."""
         now = self.clock.monotonic()
+        if self.db is None:
+            return
         if self._pruned_mono is None or now - self._pruned_mono >= PRUNE_EVERY_S:
             self._pruned_mono = now
             prune_removed(self.db, self.jobs.keys(), self.clock.time())
