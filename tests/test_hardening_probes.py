@@ -22,8 +22,7 @@ from pathlib import Path
 import pynvml
 import pytest
 from rigs import frozen_ext4, root, spawned  # noqa: F401 - root is a fixture
-from test_gpu import GiB, FakeGpu, FakeNvml
-from test_server import FakeSGLang, sglang_metrics
+from fakes import GiB, FakeGpu, FakeNvml, FakeSGLang, sglang_metrics
 
 from stallwatch.probes.collector import Collector
 from stallwatch.engine.features import features

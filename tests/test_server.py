@@ -2,89 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from collections.abc import Iterator
 
 import pytest
 from rigs import wait_until
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from stallwatch.clock import FakeClock
 from stallwatch.probes.server import ServerObs, ServerProbe, parse_metrics
 
-
-class FakeSGLang:
-    """Just enough of sglang.srt.entrypoints.http_server: switchable health, gates that hold a
-    request open until the test releases it, and a /metrics body the test sets."""
-
-    def __init__(self) -> None:
-        self.health_status = 200
-        self.has_health_generate = True
-        self.health_gate: threading.Event | None = None
-        self.info_gate: threading.Event | None = None
-        self.metrics_body = b""
-        self.metrics_content_length = True
-        self.paths: list[str] = []
-        self.old_routes = False  # SGLang 0.5.0-0.5.5: only /get_server_info and /get_model_info
-        self.server_args = {"watchdog_timeout": 300, "soft_watchdog_timeout": None}
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args) -> None:  # keep pytest output clean
-                pass
-
-            def do_GET(self) -> None:  # http.server's naming
-                fake.paths.append(self.path)
-                if self.path == "/health_generate" and not fake.has_health_generate:
-                    return self.reply(404, b'{"detail":"Not Found"}')
-                if self.path in ("/health", "/health_generate"):
-                    if fake.health_gate is not None:
-                        fake.health_gate.wait(30)
-                    return self.reply(fake.health_status, b"")
-                new = self.path in ("/server_info", "/model_info")
-                if (new and fake.old_routes) or (self.path.startswith("/get_") and not fake.old_routes):
-                    return self.reply(404, b'{"detail":"Not Found"}')
-                if self.path in ("/server_info", "/get_server_info"):
-                    if fake.info_gate is not None:
-                        fake.info_gate.wait(30)
-                    return self.reply(200, json.dumps({"version": "0.5.23", "tp_size": 2,
-                                                       **fake.server_args}).encode())
-                if self.path in ("/model_info", "/get_model_info"):
-                    return self.reply(200, json.dumps({"model_path": "meta-llama/Llama-3.1-8B-Instruct",
-                                                       "is_generation": True}).encode())
-                if self.path == "/metrics":
-                    return self.reply(200, fake.metrics_body, length=fake.metrics_content_length,
-                                      ctype="text/plain; version=0.0.4; charset=utf-8")
-                return self.reply(404, b'{"detail":"Not Found"}')
-
-            def reply(self, code: int, body: bytes, length: bool = True, ctype: str = "application/json") -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                if length:
-                    self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                try:
-                    self.wfile.write(body)
-                except OSError:
-                    pass  # the probe hung up on an oversized body: that is the point
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.port = self.httpd.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        for gate in (self.health_gate, self.info_gate):
-            if gate is not None:
-                gate.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
+from fakes import FakeSGLang, sglang_metrics
 
 
 @pytest.fixture
@@ -95,40 +25,6 @@ def server() -> Iterator[FakeSGLang]:
         yield s
     finally:
         s.close()
-
-
-def sglang_metrics(gen: tuple[float, float] = (100, 50), prompt: float = 1000, reqs: float = 10,
-                   running: float = 2, queued: float = 0, fwd: float = 3.0, idle: float = 1.0,
-                   usage: tuple[float, float] = (0.25, 0.5)) -> bytes:
-    """A /metrics body in the exposition format prometheus_client writes, with SGLang's names:
-    tokenizer-side counters once, scheduler-side families per tp_rank label set, each rank
-    exporting its DP group's same gauges (as with --enable-metrics-for-all-schedulers)."""
-    reg = CollectorRegistry()
-    labels = ["model_name", "engine_type", "tp_rank", "pp_rank"]
-    tok = ["model_name", "engine_type"]
-    g = Counter("sglang:generation_tokens", "Generation tokens", tok, registry=reg)
-    p = Counter("sglang:prompt_tokens", "Prompt tokens", tok, registry=reg)
-    n = Counter("sglang:num_requests", "Requests", tok, registry=reg)
-    f = Counter("sglang:forward_execution_seconds", "Forward time", labels + ["category"], registry=reg)
-    i = Counter("sglang:scheduler_idle_seconds", "Idle time", labels, registry=reg)
-    r = Gauge("sglang:num_running_reqs", "Running", labels, registry=reg)
-    q = Gauge("sglang:num_queue_reqs", "Queued", labels, registry=reg)
-    u = Gauge("sglang:token_usage", "Token usage", labels, registry=reg)
-    h = Histogram("sglang:e2e_request_latency_seconds", "E2E", labels, registry=reg, buckets=(1, 10))
-    for rank in (0, 1):
-        lv = ["m", "unified", str(rank), "0"]
-        if rank == 0:
-            g.labels("m", "unified").inc(sum(gen))
-            p.labels("m", "unified").inc(prompt)
-            n.labels("m", "unified").inc(reqs)
-            h.labels(*lv).observe(2.0)
-        f.labels(*lv, "prefill").inc(fwd / 3)  # every rank runs the same forwards
-        f.labels(*lv, "decode").inc(fwd * 2 / 3)
-        i.labels(*lv).inc(idle)
-        r.labels(*lv).set(running)  # the same DP group's count, once per rank
-        q.labels(*lv).set(queued)
-        u.labels(*lv).set(usage[rank])
-    return generate_latest(reg)
 
 
 def test_healthy_server(server: FakeSGLang) -> None:

@@ -23,7 +23,8 @@ pytest.importorskip("tqdm", reason="needs tqdm (a test dependency)")
 from stallwatch.probes.discover import _answers_model_info, find_pipeline
 from stallwatch.probes.gpu import GpuDeviceObs, GpuObs, GpuProcessObs
 from stallwatch.probes.targets import Target
-from test_specforge_live import children, kill_tree, torchrun, wait_for
+from rigs import wait_until
+from torchrunkit import children, kill_tree, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -47,8 +48,8 @@ def test_torchrun_ranks_holding_gpu_memory_are_one_job_not_a_server(tmp_path: Pa
     job = torchrun(out, log, "--fault", "deadlock", "--fault-rank", "1", "--fault-batch", "2")
     kids: list[int] = []
     try:
-        kids = wait_for(lambda: (k := children(job.pid)) and len(k) >= 3 and k, 120, "3 workers")
-        wait_for(lambda: list(out.glob(".specforge_job_fault_*")), 120, "the fault")
+        kids = wait_until(lambda: (k := children(job.pid)) and len(k) >= 3 and k, 120, "3 workers")
+        wait_until(lambda: list(out.glob(".specforge_job_fault_*")), 120, "the fault")
         d = find_pipeline(Target(), FakeGpu(kids))
     finally:
         kill_tree(job, kids)

@@ -29,41 +29,11 @@ from stallwatch.engine.features import features
 from stallwatch.commands.replay import evaluate_trace
 from stallwatch.probes.snapshot import Snapshot
 from stallwatch.probes.trace import read_trace
+from torchrunkit import children, kill_tree, torchrun
 
 pytestmark = pytest.mark.slow
 
-JOB = Path(__file__).parent / "jobs" / "specforge_job.py"
 STALL_AGE_S = 36.0  # recorded this long after the fault: threshold 20 s + `for` 2 s + margin
-
-
-def wait_for(probe: Callable[[], Any], timeout: float, what: str) -> Any:
-    return rigs.wait_until(probe, timeout, what)
-
-
-def children(pid: int) -> list[int]:
-    """The kernel's list of pid's children (cheap enough to poll)."""
-    try:
-        return sorted(int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
-    except OSError:
-        return []
-
-
-def torchrun(out: Path, log: Path, *args: str, nproc: int = 3) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), str(JOB),
-           "--output-path", str(out), "--num-samples", "120", "--batch-size", "4",
-           "--batch-s", "0.3", *args]
-    with open(log, "wb") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, OMP_NUM_THREADS="1"))
-
-
-def kill_tree(job: subprocess.Popen, kids: list[int]) -> None:
-    for pid in [job.pid, *kids]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    job.wait(30)
 
 
 def run_scenario(tmp: Path, args: tuple[str, ...], fault: Callable[[Path, Path], None] | None = None,
@@ -76,7 +46,7 @@ def run_scenario(tmp: Path, args: tuple[str, ...], fault: Callable[[Path, Path],
     kids: list[int] = []
     rec = None
     try:
-        kids = wait_for(lambda: (k := children(job.pid)) and len(k) >= 3 and k, 120, "3 workers")
+        kids = rigs.wait_until(lambda: (k := children(job.pid)) and len(k) >= 3 and k, 120, "3 workers")
         rec = subprocess.Popen([sys.executable, "-m", "stallwatch", "record", "--pid", str(job.pid),
                                 "--log", str(log), "--outputs", str(out), "--out", str(trace),
                                 "--interval", "1", "--duration", "150"],
@@ -84,15 +54,15 @@ def run_scenario(tmp: Path, args: tuple[str, ...], fault: Callable[[Path, Path],
         if fault is not None:
             fault(out, log)
         else:
-            wait_for(lambda: list(out.glob(".specforge_job_fault_*")), 120, "the fault")
+            rigs.wait_until(lambda: list(out.glob(".specforge_job_fault_*")), 120, "the fault")
         fired = time.monotonic()
-        wait_for(lambda: job.poll() is not None or time.monotonic() - fired >= STALL_AGE_S,
+        rigs.wait_until(lambda: job.poll() is not None or time.monotonic() - fired >= STALL_AGE_S,
                  STALL_AGE_S + 30, "the stall to age")
         if job.poll() is not None:
             # a few snapshots of the ended job, counted (a loaded recorder ticks late: four
             # seconds were once too few for it to read the closing lines)
             seen = len(trace.read_bytes().splitlines()) if trace.exists() else 0
-            wait_for(lambda: trace.exists() and len(trace.read_bytes().splitlines()) >= seen + 4,
+            rigs.wait_until(lambda: trace.exists() and len(trace.read_bytes().splitlines()) >= seen + 4,
                      60, "four snapshots of the ended job")
         rec.send_signal(signal.SIGINT)
         if release is not None:
@@ -146,13 +116,13 @@ def never_server_or_early_finish(sc: dict[str, Any]) -> None:
 
 def freeze_after_progress(fs) -> Callable[[Path, Path], None]:
     def fault(out: Path, log: Path) -> None:
-        wait_for(lambda: "processed=8" in log.read_text(errors="replace"), 120, "progress")
+        rigs.wait_until(lambda: "processed=8" in log.read_text(errors="replace"), 120, "progress")
         fs.freeze()
     return fault
 
 
 def saw_nan(out: Path, log: Path) -> None:
-    wait_for(lambda: "Warning: NaN found" in log.read_text(errors="replace"), 120, "the NaN")
+    rigs.wait_until(lambda: "Warning: NaN found" in log.read_text(errors="replace"), 120, "the NaN")
 
 
 SCENARIOS = {
