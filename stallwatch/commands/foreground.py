@@ -150,7 +150,7 @@ class ForegroundDaemon(Daemon):
         if self.interrupted is None:
             super().tick()
         else:
-            self._wait_for_the_end()
+            self._wait_for_the_end(self.interrupted)
         if self.view is not None:
             try:
                 self.view.update(self)
@@ -162,10 +162,10 @@ class ForegroundDaemon(Daemon):
             self.exit_code = code
             self.request_stop()
 
-    def _wait_for_the_end(self) -> None:
+    def _wait_for_the_end(self, signum: int) -> None:
         """After a passed Ctrl-C the job's end is the user's doing, not a crash to judge, alert
         and restart: only its exit is collected, and the job marked stopped."""
-        name = signal.Signals(self.interrupted).name
+        name = signal.Signals(signum).name
         for r in self.jobs.values():
             if not r.cfg.supervised or r.phase in TERMINAL:
                 continue
@@ -173,7 +173,7 @@ class ForegroundDaemon(Daemon):
             r._poll_run()
             if r.exit_noted or r.synthetic is not None:
                 how = "lost" if not r.exit_noted else (
-                    f"killed by {_signame(-r.exit_rc)}" if (r.exit_rc or 0) < 0
+                    f"killed by {_signame(-(r.exit_rc or 0))}" if (r.exit_rc or 0) < 0
                     else f"exit code {r.exit_rc}")
                 r.set_phase("stopped", f"stopped by {name} from the terminal: {how}",
                             recovery_incident=None)
@@ -219,7 +219,7 @@ class ForegroundDaemon(Daemon):
         return exit_status((r.run_row or {}).get("returncode"))
 
     def shutdown(self) -> None:
-        if self.view is not None and self.db is not None:
+        if self.view is not None and self._db is not None:
             try:  # what the view shows last, while the state database is still open
                 from stallwatch.commands.live import job_view
 

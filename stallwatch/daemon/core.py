@@ -86,7 +86,7 @@ class Daemon:
         self.host = socket.gethostname()
         self.boot_id = _boot_id()
         self.state_dir = config.state_dir
-        self.db: StateDB | None = None
+        self._db: StateDB | None = None  # open between open() and close(): read it as self.db
         self.jobs: dict[str, JobRunner] = {}
         self.dispatcher: Any = None
         self._rules_cache: dict[str, Any] = {}
@@ -195,6 +195,13 @@ class Daemon:
             self._rules_cache[key] = diagnose.load([str(p) for p in paths] or None)
         return self._rules_cache[key], key
 
+    @property
+    def db(self) -> StateDB:
+        """The state database; open between open() and close()."""
+        if self._db is None:
+            raise RuntimeError("the daemon's state database is not open")
+        return self._db
+
     def open(self) -> None:
         # A short busy timeout: only another process holding the write lock makes it wait (the
         # daemon lock keeps other daemons out, readers never block in WAL), and a tick must not
@@ -205,7 +212,7 @@ class Daemon:
         except BaseException:
             db.close()
             raise
-        self.db = db
+        self._db = db
         rules = {j.name: self.rules_for(j) for j in self.config.job}  # all, before acting
         with self.db.tx():
             self.db.set_meta("daemon_pid", str(os.getpid()))
@@ -277,7 +284,7 @@ class Daemon:
             else:
                 self._job_errors.pop(runner.name, None)
             self._spaced(runner, t_job, self.clock.monotonic())
-        if self.db is not None and self.db.degraded:
+        if self._db is not None and self._db.degraded:
             now = self.clock.monotonic()
             if now - self._write_back_mono >= 10.0:
                 self._write_back_mono = now
@@ -374,14 +381,13 @@ class Daemon:
             phase = r.phase if r.phase not in ("running", "attached") else ""
             parts.append(f"{r.name}: {v}{extra}" + (f" ({phase})" if phase else ""))
         out = "; ".join(parts) or "no jobs"
-        if self.db is not None and self.db.degraded:
-            out = f"STATE IN MEMORY ({self.db.degraded}); {out}"
+        if self._db is not None and self._db.degraded:
+            out = f"STATE IN MEMORY ({self._db.degraded}); {out}"
         return out
 
     # ------------------------------------------------------------------------------- alerts
 
     def _job_options(self) -> JobOptions:
-        assert self.db is not None
         return JobOptions(db=self.db, clock=self.clock, state_dir=self.state_dir, host=self.host,
                           boot_id=self.boot_id, gpu=self.gpu_enabled,
                           submit_alert=self.submit_alert, settings=lambda: self.config.daemon,
@@ -509,14 +515,14 @@ class Daemon:
                 self.dispatcher.close()
             except Exception:
                 log.exception("closing the alert dispatcher")
-        if self.db is not None:
+        if self._db is not None:
             if self._lock_fd is not None:  # only the daemon that owns the state says it stopped
                 try:
-                    self.db.set_meta("daemon_stopped_at", str(self.clock.time()))
-                except Exception:  # noqa: BLE001
+                    self._db.set_meta("daemon_stopped_at", str(self.clock.time()))
+                except Exception:  # noqa: BLE001 - closing: the row is a courtesy to status
                     pass
-            self.db.close()
-            self.db = None
+            self._db.close()
+            self._db = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, Literal
 
 from stallwatch.daemon.recovery import run_in_thread
 from stallwatch.engine.alerting import AlertState, Evaluation, Verdict
@@ -131,7 +131,8 @@ class JobIncidents(JobState):
             return self.cfg.startup_grace_s
         return float(v.get("stall_threshold_s") or 0.0)
 
-    def emit_alert(self, incident_id: int, state: str, summary_override: str | None = None) -> None:
+    def emit_alert(self, incident_id: int, state: Literal["firing", "resolved"],
+                   summary_override: str | None = None) -> None:
         inc = self.db.incident(incident_id)
         if inc is None:
             return

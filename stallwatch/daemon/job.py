@@ -55,10 +55,10 @@ class JobRunner(JobRun):
             processes = self.collector.processes
             self.collector.close()
             self.collector = None
-            self._ensure_collector(pids)
+            c = self._ensure_collector(pids)
             if self.cfg.match is None and self.cfg.pid_file is None:
-                self.collector.processes = processes  # keep the job's identity and exit memory
-                self.collector.target = self._target(pids)
+                c.processes = processes  # keep the job's identity and exit memory
+                c.target = self._target(pids)
             self._pid_file_pid = None
         if afresh:
             log.info("job %s: its configuration changed while it was %s: starting afresh",
@@ -75,9 +75,8 @@ class JobRunner(JobRun):
             if self._ended_by_slurm():
                 return
         elif self.cfg.pid_file is not None:
-            self._poll_pid_file()
-        self._ensure_collector()
-        snap = self.collector.tick()
+            self._poll_pid_file(self.cfg.pid_file)
+        snap = self._ensure_collector().tick()
         self._say_log_refused(snap)
         v = features(snap)
         ev = self.evaluator.evaluate(v, snap.t_mono)
@@ -138,7 +137,7 @@ class JobRunner(JobRun):
         if not ended_by_slurm(state):
             return False
         if self.phase not in TERMINAL:
-            how = f"killed by signal {-self.exit_rc}" if (self.exit_rc or 0) < 0 else \
+            how = f"killed by signal {-(self.exit_rc or 0)}" if (self.exit_rc or 0) < 0 else \
                 f"exit code {self.exit_rc}"
             why = (f"Slurm is ending job {jid} (JobState={state}: cancelled, time limit or "
                    f"preemption); {how}: not a crash, not restarted")

@@ -58,7 +58,7 @@ class JobRun(JobIncidents):
             self.db.update_job(self.name, mode=self.mode, phase="new", phase_detail="",
                                restarts=0, recovery_incident=None)
         self.db.update_job(self.name, config_json=self.config_json())
-        row = self.db.job(self.name)
+        row = self.db.existing_job(self.name)
         if row["phase"] != "new":  # not afresh: the previous daemon's `for` timers resume
             self.alert_memory.restore(self.evaluator, row["verdict_at"], self.clock.time())
         for inc in self.db.open_incidents(self.name):
@@ -71,7 +71,7 @@ class JobRun(JobIncidents):
         # Read the row again: reconciling may have completed a restart the previous daemon
         # made (phase starting, no recovery in progress). Going on from the stale row would
         # resume that recovery and kill the freshly restarted run: a double restart.
-        before, row = row, self.db.job(self.name)
+        before, row = row, self.db.existing_job(self.name)
         self.set_phase(row["phase"], resumed=True)
         if self.cfg.supervised:
             done = before["recovery_incident"]
@@ -100,7 +100,7 @@ class JobRun(JobIncidents):
         if not found:
             return
         found.sort()
-        self.db.update_job(self.name, starts=max(int(self.db.job(self.name)["starts"]),
+        self.db.update_job(self.name, starts=max(int(self.db.existing_job(self.name)["starts"]),
                                                  found[-1][0]))
         for seq, f in reversed(found):
             doc = self._status({}, f) or {}
@@ -211,9 +211,12 @@ class JobRun(JobIncidents):
             self.name, what, "pending", incident_id=incident_id, attempt=attempt,
             detail=json.dumps({"seq": seq, "status_file": str(status_file),
                                "how": "systemd-run" if sysd else "setsid"}), done=False)
+        log_file = self.log_path()
+        if log_file is None:  # a supervised job always has one (log_path)
+            raise RuntimeError(f"job {self.name}: no log file for a supervised run")
         try:
             sp = spawn(self.name, seq, tuple(self.cfg.command or ()), status_file=status_file,
-                       log=self.log_path(), cwd=self.cfg.cwd, env=dict(self.cfg.env),
+                       log=log_file, cwd=self.cfg.cwd, env=dict(self.cfg.env),
                        systemd_run=sysd, admin_log=self.cfg.log is None,
                        run_as=resolve_user(self.cfg.user, self.cfg.group))
         except SpawnError as e:
@@ -231,7 +234,7 @@ class JobRun(JobIncidents):
                 fields["restarts"] = attempt
             self.set_phase(JobPhase.STARTING, f"run {seq}", **fields)
         self.popen = sp.popen
-        self.run_row = self.db.run(run_id)
+        self.run_row = self.db.existing_run(run_id)
         self._forget_processes()
         self._starting_since = self.clock.monotonic()
         self.exit_noted = False
@@ -264,12 +267,12 @@ class JobRun(JobIncidents):
         self._spawn("restart", attempt, incident_id)
 
     def _adopt_status(self, doc: dict[str, Any]) -> None:
-        run = self.run_row
+        run = self._current_run()
         pid, ticks = doc.get("pid"), doc.get("start_ticks")
         self.db.update_run(run["id"], pid=pid, start_ticks=ticks, pgid=doc.get("pgid"),
                            wrapper_pid=doc.get("wrapper_pid"),
                            wrapper_start_ticks=doc.get("wrapper_start_ticks"))
-        self.run_row = self.db.run(run["id"])
+        self.run_row = self.db.existing_run(run["id"])
         if pid and ticks is not None:
             self.set_target(pid, ticks)
             self.set_phase("running", f"pid {pid}", pid=pid, start_ticks=ticks)
@@ -305,7 +308,7 @@ class JobRun(JobIncidents):
                 return  # already known lost
             if doc and doc.get("pid"):
                 self._adopt_status(doc)
-                run = self.run_row
+                run = self._current_run()
             elif doc and doc.get("state") == "exited":
                 self._lost(f"could not start: {doc.get('error') or 'exit ' + str(doc.get('returncode'))}")
                 self.db.update_run(run["id"], ended_at=doc.get("ended_at"),
@@ -339,12 +342,12 @@ class JobRun(JobIncidents):
             return
         pid, ticks = run["pid"], run["start_ticks"]
         if doc and doc.get("state") == "exited" and doc.get("pid") == pid:
-            rc = int(doc.get("returncode"))
-            self.collector.note_exit(pid, ticks, rc)
+            rc = int(doc["returncode"])
+            self._ensure_collector().note_exit(pid, ticks, rc)
             self.exit_noted, self.exit_rc = True, rc
             self.db.update_run(run["id"], ended_at=doc.get("ended_at"), returncode=rc,
                                end_reason="exited")
-            self.run_row = self.db.run(run["id"])
+            self.run_row = self.db.existing_run(run["id"])
             how = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
             log.info("job %s: pid %d exited (%s)", self.name, pid, how)
             return
@@ -379,10 +382,9 @@ class JobRun(JobIncidents):
         self._pid_file_read_mono = now
         return True
 
-    def _poll_pid_file(self) -> None:
+    def _poll_pid_file(self, path: Path) -> None:
         if not self._pid_file_due():
             return
-        path = self.cfg.pid_file
 
         def read() -> tuple[int | None, str, int | None]:
             """(pid, why refused, the file's owner): the file is the job user's to forge, so
@@ -407,7 +409,7 @@ class JobRun(JobIncidents):
             except (ValueError, IndexError):
                 return None, f"{path}: no pid in its first {len(data)} bytes", None
 
-        got, _rep = self.collector.runner.call(f"pid_file-{self.name}", read, 2.0)
+        got, _rep = self._ensure_collector().runner.call(f"pid_file-{self.name}", read, 2.0)
         pid, why, owner = got if got else (None, "", None)
         if pid is not None and pid == self._pid_file_pid:
             return
@@ -510,7 +512,7 @@ class JobRun(JobIncidents):
         if self.cfg.restart == "on-failure" and verdict.kind in RESTART_KINDS:
             return  # the recovery starts on the next tick that has the incident
         how = "lost" if self.synthetic is not None else (
-            f"killed by signal {-self.exit_rc}" if (self.exit_rc or 0) < 0 else f"exit code {self.exit_rc}")
+            f"killed by signal {-(self.exit_rc or 0)}" if (self.exit_rc or 0) < 0 else f"exit code {self.exit_rc}")
         why = f'{how}; restart = "no"' if self.cfg.restart == "no" else \
             f"{how} with verdict {verdict.kind}: not restarted for that"
         self.set_phase("stopped", why)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from stallwatch.daemon.watchwarn import WatchWarnings, job_uid
 from stallwatch.engine import Evaluator, RuleSet
 from stallwatch.engine.alerting import Evaluation, Verdict
 from stallwatch.engine.history import History, sparkline_text, sparklines
+from stallwatch.probes.collector import Collector
 from stallwatch.probes.snapshot import Snapshot
 from stallwatch.vocab import JOB_EDGES, TERMINAL_PHASES, JobPhase, PhaseError, edge
 
@@ -34,7 +36,7 @@ TERMINAL = TERMINAL_PHASES
 
 
 def verdict_doc(v: Verdict, at: float | None = None) -> dict[str, Any]:
-    doc = {"kind": v.kind, "summary": v.summary,
+    doc: dict[str, Any] = {"kind": v.kind, "summary": v.summary,
            "evidence": [{"signal": e.signal, "detail": e.detail} for e in v.evidence],
            "advice": list(v.advice), "cause": v.cause, "rule": v.rule, "severity": v.severity}
     if at is not None:
@@ -56,11 +58,11 @@ class JobState:
         self.rules = rules
         self.evaluator = Evaluator(rules)
         self.alert_memory = AlertMemory(self.name, self.db)  # timers and health, in the db
-        self.collector = None
+        self.collector: Collector | None = None
         self._phase = JobPhase.NEW  # changed by set_phase only
         self._phase_changed = False  # set_phase took an edge: no more resuming from the database
         self.run_row: dict[str, Any] | None = None
-        self.popen = None  # our wrapper (setsid) or systemd-run, while it is our child
+        self.popen: subprocess.Popen | None = None  # our wrapper (setsid) or systemd-run, while our child
         self.exit_noted = False
         self.exit_rc: int | None = None
         self.synthetic: Verdict | None = None  # the daemon's own verdict: job lost, cannot start
@@ -112,6 +114,12 @@ class JobState:
         if self.cfg.supervised:
             return self.opts.state_dir / "logs" / f"{self.name}.log"
         return None
+
+    def _current_run(self) -> dict[str, Any]:
+        """The run the job is on: start or adoption sets it before anything reads it."""
+        if self.run_row is None:
+            raise RuntimeError(f"job {self.name}: no run yet")
+        return self.run_row
 
     def _status(self, run: dict[str, Any] | None = None, path: Any = None) -> dict[str, Any] | None:
         """The run's status document, only once it is proved the wrapper's (status_authentic):
@@ -224,25 +232,25 @@ class JobState:
                       log_reader_gids=(run_as.gid, *run_as.groups) if run_as else (),
                       server_log=self.cfg.server_log)
 
-    def _ensure_collector(self, pids: tuple[int, ...] = ()) -> None:
+    def _ensure_collector(self, pids: tuple[int, ...] = ()) -> Collector:
         if self.collector is not None:
-            return
-        from stallwatch.probes.collector import Collector
+            return self.collector
         from stallwatch.probes.kmsg import KmsgProbe
 
-        self.collector = Collector(self._target(pids), clock=self.clock,
-                                   deadline_s=self.daemon_cfg.probe_deadline_s,
-                                   gpu=self.opts.gpu)
-        self.collector.processes = self._processes_probe(self.collector.target)
+        c = self.collector = Collector(self._target(pids), clock=self.clock,
+                                       deadline_s=self.daemon_cfg.probe_deadline_s,
+                                       gpu=self.opts.gpu)
+        c.processes = self._processes_probe(c.target)
         row = self.db.job(self.name)
         boot = self.opts.boot_id
         if row and row.get("kmsg_cursor") is not None and row.get("kmsg_boot_id") == boot:
             # Same boot: read what the kernel said while no daemon was watching (an OOM kill).
             try:
-                self.collector.kmsg.close()
-            except Exception:  # noqa: BLE001
+                c.kmsg.close()
+            except Exception:  # noqa: BLE001 - the probe is replaced either way
                 pass
-            self.collector.kmsg = KmsgProbe(clock=self.clock, cursor=row["kmsg_cursor"])
+            c.kmsg = KmsgProbe(clock=self.clock, cursor=row["kmsg_cursor"])
+        return c
 
     def _processes_probe(self, target: Any, **kw: Any) -> Any:
         """The job's processes probe, bounded (issue 22 #9, #10): the caps of its config, half
@@ -256,11 +264,11 @@ class JobState:
 
     def set_target(self, pid: int, start_ticks: int) -> None:
         """Watch (pid, start_ticks) from now on; a new run gets a fresh processes probe."""
-        self._ensure_collector()
+        c = self._ensure_collector()
         target = self._target((pid,))
-        self.collector.target = target
+        c.target = target
         name = self._known_name(pid, start_ticks)
-        self.collector.processes = self._processes_probe(
+        c.processes = self._processes_probe(
             target, known_starts={pid: start_ticks}, known_names={pid: name} if name else None)
         self.exit_noted = False
         self.exit_rc = None

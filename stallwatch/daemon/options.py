@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from stallwatch.actions.evidence import capture_evidence
 from stallwatch.actions.kill import KillOperation
@@ -80,7 +80,7 @@ class RecoveryHost(Protocol):
 
     def set_phase(self, phase: str, detail: str = "", **extra: Any) -> None: ...
 
-    def emit_alert(self, incident_id: int, state: str,
+    def emit_alert(self, incident_id: int, state: Literal["firing", "resolved"],
                    summary_override: str | None = None) -> None: ...
 
     def restarts(self) -> int: ...

@@ -372,6 +372,10 @@ class StateDB:
     def job(self, name: str) -> dict[str, Any] | None:
         return self._one("SELECT * FROM jobs WHERE name = ?", (name,))
 
+    def existing_job(self, name: str) -> dict[str, Any]:
+        """The row of a job known to be there (ensure_job made it); LookupError if it is not."""
+        return self._the_one("SELECT * FROM jobs WHERE name = ?", (name,))
+
     def jobs(self) -> list[dict[str, Any]]:
         return self._q("SELECT * FROM jobs ORDER BY created_at, name")
 
@@ -410,6 +414,10 @@ class StateDB:
 
     def run(self, run_id: int) -> dict[str, Any] | None:
         return self._one("SELECT * FROM runs WHERE id = ?", (run_id,))
+
+    def existing_run(self, run_id: int) -> dict[str, Any]:
+        """The row of a run known to be there (add_run made it); LookupError if it is not."""
+        return self._the_one("SELECT * FROM runs WHERE id = ?", (run_id,))
 
     def latest_run(self, job: str) -> dict[str, Any] | None:
         return self._one("SELECT * FROM runs WHERE job = ? ORDER BY id DESC LIMIT 1", (job,))
