@@ -414,6 +414,33 @@ def test_last_ran_age_reads_history_a_one_shot_cannot_watch():
     assert busy.last_ran_age_s == 0.0
 
 
+POLLER = "import os, sys, time\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile 1: time.sleep(0.02)"
+
+
+def test_a_poller_is_never_quiet_whatever_its_cpus_stolen_time():
+    """se.exec_start is on its CPU's clock, behind /proc/uptime by the time the hypervisor stole
+    from that CPU (kernel/schedclock.py): 3.5 and 5 s on this CI's VM after 4 h up, so a thread
+    that wakes every 20 ms read as not run for 3.5 s, and a 3 s stall threshold called its job
+    hung (test_attacks_bounds #9). Pinned to each CPU in turn, it has always just run."""
+    cpus = sorted(os.sched_getaffinity(0))[:4]
+    procs = [subprocess.Popen([sys.executable, "-c", POLLER, str(c)]) for c in cpus]
+    try:
+        probe = ProcessesProbe(Target(pids=tuple(p.pid for p in procs)))
+        pinned = list(zip(procs, cpus, strict=True))
+        wait_until(lambda: all(os.sched_getaffinity(p.pid) == {c} for p, c in pinned),
+                   what="the pollers pinned")
+        for _ in range(3):  # a full reading, then the idle-thread path
+            obs = probe.collect()
+            for p, c in pinned:
+                (t,) = only(obs, p.pid).threads
+                assert t.last_ran_age_s is not None and t.last_ran_age_s < 2.0, (c, t)
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def test_new_descendants_found_from_the_kernels_children_lists(tmp_path):
     """Between full scans the tree is walked through /proc/PID/task/TID/children: a grandchild
     forked by a worker thread after the first look is in the very next collect, without a scan

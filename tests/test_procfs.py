@@ -50,6 +50,12 @@ def test_stat_splits_on_the_last_parenthesis(comm):
     assert st.comm == comm and st.state == "S" and st.start_ticks == line.start_ticks
 
 
+def test_stat_names_the_cpu_it_last_ran_on():
+    raw = text("server", "stat")
+    assert procfs.parse_stat(raw).processor == int(raw.rsplit(")", 1)[1].split()[39 - 3])
+    assert procfs.parse_stat("1 (x) S" + " 0" * 30).processor is None  # an old kernel's short line
+
+
 def test_stat_rejects_garbage():
     with pytest.raises(ValueError):
         procfs.parse_stat("12 no parentheses here")

@@ -6,6 +6,7 @@ The only code that knows where the kernel's files are (tests/test_layout.py chec
     procfiles   ProcPaths, the /proc layout; ProcFiles, per-thread descriptors kept and pread
     proc        typed reads for everyone else: Proc(pid).stat(), .live_thread(), btime(), boot_id()
     procfs, diskfs, kmsgparse, syscalls_*    pure parsers: text in, frozen records out
+    schedclock  each CPU's scheduler clock (se.exec_start) against /proc/uptime, measured there
     nvml        the one choke point of every NVML call
     safefs      no-follow opens under a directory the job's user owns
 

@@ -37,6 +37,7 @@ class Stat:
     rss_pages: int
     blkio_delay_ticks: int | None  # field 42: time spent waiting for block I/O (needs delayacct)
     exit_code: int | None  # field 52: raw wait status; 0 unless a zombie and we may ptrace it
+    processor: int | None = None  # field 39: the CPU it last ran on (whose clock stamped it)
 
 
 def parse_stat(text: str) -> Stat:
@@ -69,6 +70,7 @@ def parse_stat(text: str) -> Stat:
         rss_pages=int(rest[21]),
         blkio_delay_ticks=field(42),
         exit_code=field(52),
+        processor=field(39),
     )
 
 

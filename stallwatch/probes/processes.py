@@ -34,6 +34,7 @@ from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.kernel import procfs
 from stallwatch.kernel.procfiles import ProcFiles, ProcPaths
 from stallwatch.kernel.roots import DEFAULT_ROOTS, Absent, Denied, Roots
+from stallwatch.kernel.schedclock import SchedClock
 from stallwatch.probes import torchrun
 from stallwatch.probes.processes_obs import (ExitObs, IoObs, OpenFileObs, ProcessesObs,
                                              ProcessObs, Role, SocketObs, ThreadObs)
@@ -120,6 +121,8 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         self._tck = clk_tck or os.sysconf("SC_CLK_TCK")
         self._runq = RunQueueTracker(self._tck)
         self._syscalls = procfs.SYSCALLS if syscall_table is None else syscall_table
+        # Turns a thread's se.exec_start into uptime seconds: on the host only (kernel/schedclock)
+        self._sched_clock = SchedClock(clock.monotonic) if self._paths.is_host() else None
         self._btime: int | None = None
         self._first_collect = True
         self._collects = 0

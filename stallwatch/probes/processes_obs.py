@@ -59,8 +59,9 @@ class ThreadObs(Frozen):
     syscall_fd: int | None = None
     syscall_file: str | None = None  # what syscall_fd points to, when known
     stack: tuple[str, ...] | None = None  # kernel stack, innermost first; None when unreadable
-    # Seconds since it last ran on a CPU (scheduler's se.exec_start); 0 when running, None when
-    # the kernel does not say. A lower bound for ctx_unchanged_for_s that needs no watching.
+    # Seconds since it last ran on a CPU (se.exec_start on its CPU's clock: kernel/schedclock.py);
+    # 0 when running, None when the kernel does not say. A lower bound for ctx_unchanged_for_s
+    # that needs no watching.
     last_ran_age_s: float | None = None
     runqueue: RunQueueObs | None = None  # whether it stayed runnable since we watch (spinning)
 

@@ -73,7 +73,8 @@ class _ThreadMemo:
     sched_raw: bytes | None  # its schedstat when read; None: not read (running, or no schedstat)
     ctx: tuple[int, int]  # voluntary, nonvoluntary context switches
     obs: ThreadObs
-    exec_start_s: float | None  # se.exec_start: fixed while it does not run
+    ran_uptime_s: float | None  # when it last ran, in /proc/uptime seconds: fixed while it does not
+    # run (se.exec_start and its CPU's clock, ThreadReader._ran_uptime)
     denied: tuple[str, ...]  # signals refused at that reading, reported again with it
     seen_mono: float
     track: _Track

@@ -2,7 +2,8 @@
 17; moved out of probes/processes.py as it was).
 
 A mixin of ProcessesProbe: it uses the probe's roots, _paths, _kept, _memos, _tck, _runq,
-_syscalls, read_stacks and its _optional, _track, _has_schedstat and _kept_or_none."""
+_syscalls, _sched_clock, read_stacks and its _optional, _track, _has_schedstat and
+_kept_or_none."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 from stallwatch.kernel import procfs
 from stallwatch.kernel.procfiles import ProcFiles, ProcPaths
 from stallwatch.kernel.roots import Absent, Denied, Roots
+from stallwatch.kernel.schedclock import SchedClock
 from stallwatch.probes.processes_obs import ThreadObs
 from stallwatch.probes.processes_state import _ThreadMemo, _Tick
 from stallwatch.probes.runqueue import RunQueueTracker, schedstat_or_none
@@ -52,6 +54,7 @@ class ThreadReader:
     _tck: int
     _runq: RunQueueTracker
     _syscalls: Mapping[int, str]
+    _sched_clock: SchedClock | None
     _tick_tracks: int
     _pd: Callable[..., str]
     _has_schedstat: Callable[[int], bool]
@@ -139,8 +142,9 @@ class ThreadReader:
                             "syscall", denied) if blocked else None
         stack = (self._optional(f"{d}/stack", procfs.parse_stack, "stack", denied)
                  if blocked and self.read_stacks else None)
-        exec_start = (self._optional(f"{d}/sched", procfs.parse_sched_exec_start_s, "sched", denied)
-                      if blocked else None)
+        ran_up = (self._ran_uptime(self._optional(f"{d}/sched", procfs.parse_sched_exec_start_s,
+                                                  "sched", denied), st)
+                  if blocked else None)
         run_wait = None  # schedstat's (ns on a CPU, ns waiting for one), for runnable threads
         if st.state == "R" and self._has_schedstat(pid):
             if sched is None:
@@ -168,9 +172,9 @@ class ThreadReader:
             syscall_args=sc.args if sc else (), syscall_fd=sc_fd,
             syscall_file=fds.get(sc_fd) if fds is not None and sc_fd is not None else None,
             stack=stack, runqueue=runq,
-            last_ran_age_s=0.0 if not blocked else self._last_ran_age(exec_start, tick),
+            last_ran_age_s=0.0 if not blocked else self._last_ran_age(ran_up, tick),
         )
-        self._memos[key] = _ThreadMemo(raw, st, sched if blocked else None, ctx, obs, exec_start,
+        self._memos[key] = _ThreadMemo(raw, st, sched if blocked else None, ctx, obs, ran_up,
                                        tuple(denied), now, tr, f"{d}/stat", f"{d}/schedstat")
         tick.memos_seen += 1
         return obs
@@ -194,9 +198,9 @@ class ThreadReader:
         values["cpu_delta_s"] = 0.0
         if sc_fd is not None:
             values["syscall_file"] = fds.get(sc_fd) if fds is not None else None
-        if memo.exec_start_s is not None:
+        if memo.ran_uptime_s is not None:
             up = tick.uptime_s if tick.uptime_s is not None else self._uptime(tick)
-            values["last_ran_age_s"] = None if up < 0 else max(0.0, up - memo.exec_start_s)
+            values["last_ran_age_s"] = None if up < 0 else max(0.0, up - memo.ran_uptime_s)
         obs = _evolved(old, values)
         memo.obs, memo.seen_mono = obs, now
         tick.memos_seen += 1
@@ -220,17 +224,25 @@ class ThreadReader:
             "utime_s": st.utime_ticks / self._tck, "stime_s": st.stime_ticks / self._tck,
             "cpu_delta_s": None if cpu_delta is None else cpu_delta / self._tck,
             "syscall_file": fds.get(sc_fd) if fds is not None and sc_fd is not None else None,
-            "last_ran_age_s": self._last_ran_age(memo.exec_start_s, tick),
+            "last_ran_age_s": self._last_ran_age(memo.ran_uptime_s, tick),
         })
         memo.obs, memo.stat, memo.sched_raw, memo.seen_mono = obs, st, sched, now
         tick.memos_seen += 1
         return obs
 
-    def _last_ran_age(self, exec_start_s: float | None, tick: _Tick) -> float | None:
-        if exec_start_s is None:
+    def _ran_uptime(self, exec_start_s: float | None, st: procfs.Stat) -> float | None:
+        """When the thread last ran, in /proc/uptime seconds. se.exec_start is on the clock of
+        the CPU it ran on, behind uptime by that CPU's stolen time (kernel/schedclock.py): on
+        the host that lag is measured and added; a capture's clocks are taken as read."""
+        if self._sched_clock is None:
+            return exec_start_s
+        return self._sched_clock.uptime_of(exec_start_s, st.processor)
+
+    def _last_ran_age(self, ran_uptime_s: float | None, tick: _Tick) -> float | None:
+        if ran_uptime_s is None:
             return None
         up = self._uptime(tick)
-        return None if up < 0 else max(0.0, up - exec_start_s)
+        return None if up < 0 else max(0.0, up - ran_uptime_s)
 
     def _uptime(self, tick: _Tick) -> float:
         """/proc/uptime, once a tick; -1 when unreadable."""
