@@ -236,18 +236,5 @@ def test_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
-# Cycles that stand today, each with who removes it. Shrinks to empty; a new cycle fails.
-CYCLES_WAITING: dict[tuple[str, ...], str] = {
-    # run_demo picks TorchrunDemo, which subclasses Demo: helper `splits` splits demo.py.
-    ("stallwatch.commands.demo", "stallwatch.commands.demo_torchrun"): "demo.py split (helper splits)",
-}
-
-
 def test_no_import_cycle():
-    """Every cycle lies within a waiting one (partial progress is fine), and every waiting entry
-    still holds a cycle (a fixed one is dropped from the list)."""
-    cycles = [set(c) for c in _cycles(GRAPH)]
-    new = [sorted(c) for c in cycles if not any(c <= set(w) for w in CYCLES_WAITING)]
-    assert not new, f"import cycles: {new}"
-    gone = [w for w in CYCLES_WAITING if not any(c <= set(w) for c in cycles)]
-    assert not gone, f"cycles fixed: drop them from CYCLES_WAITING: {gone}"
+    assert not _cycles(GRAPH), f"import cycles: {_cycles(GRAPH)}"

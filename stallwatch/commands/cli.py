@@ -435,13 +435,18 @@ def demo(
     Exit 0 when everything happened as it should, 2 otherwise (saying what), 3 when the fault
     cannot be staged here (io_stall without root).
     """
-    from stallwatch.commands.demo import FAULTS, run_demo
+    from stallwatch.commands.demo import FAULTS, Demo, run_demo
 
     if pipeline not in ("http", "torchrun"):
         raise UsageError(f"--pipeline {pipeline}: expected http or torchrun")
     if fault not in FAULTS:
         raise UsageError(f"--fault {fault}: expected one of {', '.join(FAULTS)}")
-    return run_demo(fault, keep=keep, json_out=json_out, pipeline=pipeline)
+    kind = Demo
+    if pipeline == "torchrun":
+        from stallwatch.commands.demo_torchrun import TorchrunDemo
+
+        kind = TorchrunDemo
+    return run_demo(fault, keep=keep, json_out=json_out, kind=kind)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -502,17 +502,14 @@ kill_grace_s = 3
 
 
 def run_demo(fault: str = "hang", *, keep: bool = False, json_out: bool = False,
-             pipeline: str = "http") -> int:
-    """The `stallwatch demo` command: 0 when all went as it should, 2 otherwise, 3 unavailable."""
+             kind: type[Demo] = Demo) -> int:
+    """The `stallwatch demo` command: 0 when all went as it should, 2 otherwise, 3 unavailable.
+    `kind` is the pipeline: Demo (http), or demo_torchrun.TorchrunDemo, which the caller picks
+    (it extends this module, so this module does not import it)."""
     from rich.console import Console
 
     console = Console(stderr=json_out)
-    if pipeline == "torchrun":
-        from stallwatch.commands.demo_torchrun import TorchrunDemo
-
-        demo: Demo = TorchrunDemo(fault, keep=keep, console=console)
-    else:
-        demo = Demo(fault, keep=keep, console=console)
+    demo = kind(fault, keep=keep, console=console)
     try:
         doc = demo.run()
     except DemoUnavailable as e:
