@@ -146,7 +146,7 @@ def test_a_hot_output_closed_after_writing_is_restated_at_the_slow_cadence(tmp_p
         assert stats.count("open.bin") == 4 and stats.count("done.bin") == 0, stats
         # Written again in place with no event we listen to (opened, never closed yet): seen
         # at the slow cadence, and fresh again from then on.
-        again = open(out / "done.bin", "ab")  # noqa: SIM115
+        again = open(out / "done.bin", "ab")  # noqa: SIM115 - held open across ticks on purpose (opened, never closed yet)
         again.write(b"z" * 90)
         again.flush()
         clock.advance(outputs_mod.HOT_SLOW_EVERY_S)

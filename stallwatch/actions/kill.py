@@ -481,9 +481,10 @@ class KillOperation:
         if self.dry_run or self._kill is not None:
             if not self._verify(s):
                 return None
-            if self.dry_run:
+            kill = self._kill
+            if self.dry_run or kill is None:
                 return "dry_run"
-            return self._call(lambda: self._kill(s.pid, sig))  # type: ignore[misc]
+            return self._call(lambda: kill(s.pid, sig))
         # The real sender: a pidfd pins the process before the identity check, so the signal
         # cannot reach a process that took the pid over after the check.
         try:

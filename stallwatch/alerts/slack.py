@@ -168,7 +168,7 @@ class SlackSink(Sink):
         from slack_sdk.webhook import WebhookClient
 
         self._url = config.resolve_url()
-        self._client = WebhookClient(self._url.get_secret_value(), timeout=config.timeout_s,  # type: ignore[arg-type]
+        self._client = WebhookClient(self._url.get_secret_value(), timeout=config.timeout_s,  # type: ignore[arg-type]  # seconds; slack_sdk says int, urllib takes a float
                                      logger=_SDK_LOG, retry_handlers=[])
 
     def describe(self) -> str:

@@ -299,7 +299,7 @@ class Daemon:
                 if self.dispatcher is not None and hasattr(self.dispatcher, "status"):
                     self.db.set_meta("alerts", json.dumps(_jsonable(self.dispatcher.status()),
                                                           default=str))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - the meta rows are a report: a failure to write them is logged, the tick goes on
             self._tick_failed("(the tick's meta rows)", e)
         try:
             self._prune_alert_state()
@@ -555,7 +555,7 @@ def setup_logging(level: str = "info") -> None:
         fmt = "%(levelname)s %(message)s" if os.environ.get("INVOCATION_ID") else \
             "%(asctime)s %(levelname)s %(message)s"
         h.setFormatter(logging.Formatter(fmt))
-        h._stallwatch = True  # type: ignore[attr-defined]
+        h._stallwatch = True  # type: ignore[attr-defined]  # our mark on the handler, found again above
         root.addHandler(h)
     root.setLevel(level.upper())
 

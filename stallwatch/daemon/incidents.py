@@ -114,7 +114,7 @@ class JobIncidents(JobState):
                 path = fut.result()
                 self.db.complete_action(inc["evidence_action"], f"written: {path}")
                 self.db.update_incident(inc["id"], evidence_bundle=str(path))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - the bundle is evidence: its failure is noted, never the tick's
                 log.warning("job %s: evidence bundle failed: %s: %s", self.name,
                             type(e).__name__, e)
                 self.db.complete_action(inc["evidence_action"], f"failed: {type(e).__name__}: {e}")

@@ -268,7 +268,7 @@ class Recovery:
             return
         try:
             rep = self.validation.result()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - a validation that failed any way means: not resumed
             self.db.complete_action(self._validate_action, f"failed: {type(e).__name__}: {e}")
             self._give_up(f"validating the outputs failed ({type(e).__name__}: {e}); not "
                           "resuming onto outputs that were not checked")

@@ -367,7 +367,7 @@ class StateDB:
                 "INSERT INTO jobs(name, mode, config_json, created_at, updated_at) "
                 "VALUES(?, ?, ?, ?, ?) ON CONFLICT(name) DO NOTHING",
                 (name, mode, config_json, now, now))
-        return self.job(name)  # type: ignore[return-value]
+        return self.existing_job(name)
 
     def job(self, name: str) -> dict[str, Any] | None:
         return self._one("SELECT * FROM jobs WHERE name = ?", (name,))

@@ -49,7 +49,10 @@ def paths(exprs: Iterable[Expr]) -> Paths:
                 if i == len(path) - 1:
                     node[key] = None
                 else:
-                    node = node.setdefault(key, {})  # type: ignore[assignment]
+                    child = node.get(key)  # absent, or a dict (None broke out above)
+                    if child is None:
+                        child = node[key] = {}
+                    node = child
     return root
 
 
@@ -58,10 +61,9 @@ def merge(a: Paths, b: Paths) -> Paths:
     for key, sub in b.items():
         if key not in out:
             out[key] = sub
-        elif out[key] is None or sub is None:
-            out[key] = None
-        else:
-            out[key] = merge(out[key], sub)  # type: ignore[arg-type]
+            continue
+        have = out[key]
+        out[key] = None if have is None or sub is None else merge(have, sub)
     return out
 
 

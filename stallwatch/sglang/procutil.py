@@ -36,7 +36,7 @@ def set_process_title(title: str) -> None:
     found from /proc/self/stat, with its last byte non-NUL so the kernel reports only the title.
     """
     try:
-        import setproctitle  # type: ignore[import-not-found]
+        import setproctitle
 
         setproctitle.setproctitle(title)
         return

@@ -213,6 +213,14 @@ def _f32_to_bf16(words: Sequence[int]) -> list[int]:
     return out
 
 
+def _typecode(dtype: str) -> str:
+    """The array module's typecode of a dtype that has one (bfloat16, float16, bool do not)."""
+    code = DTYPES[dtype][2]
+    if code is None:
+        raise ValueError(f"{dtype}: no array typecode")
+    return code
+
+
 def _pack(flat: list, dtype: str) -> bytes:
     if dtype == "bfloat16":
         words = array("I", array("f", flat).tobytes())
@@ -224,7 +232,7 @@ def _pack(flat: list, dtype: str) -> bytes:
         return struct.pack(f"<{len(flat)}e", *flat)
     if dtype == "bool":
         return bytes(1 if v else 0 for v in flat)
-    arr = array(DTYPES[dtype][2], flat)  # type: ignore[arg-type]
+    arr = array(_typecode(dtype), flat)
     if not _LITTLE:
         arr.byteswap()
     return arr.tobytes()
@@ -240,7 +248,7 @@ def _unpack(raw: bytes, dtype: str) -> list:
         return list(struct.unpack(f"<{len(raw) // 2}e", raw))
     if dtype == "bool":
         return [b != 0 for b in raw]
-    arr = array(DTYPES[dtype][2], raw)  # type: ignore[arg-type]
+    arr = array(_typecode(dtype), raw)
     if not _LITTLE:
         arr.byteswap()
     return arr.tolist()

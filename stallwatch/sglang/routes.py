@@ -22,7 +22,7 @@ class _BadRequest(ValueError):
     pass
 
 
-def _normalize(body: dict, vocab: int) -> list[dict]:
+def _normalize(body: dict, vocab: int) -> tuple[list[dict[str, Any]], bool]:
     """The items of a /generate body (one, or a batch), each with input_ids and params."""
     if "input_ids" in body and body["input_ids"] is not None:
         ids = body["input_ids"]
@@ -57,7 +57,7 @@ def _normalize(body: dict, vocab: int) -> list[dict]:
             raise _BadRequest("max_new_tokens must be a non-negative integer")
         out.append({"input_ids": ids, "max_new_tokens": mnt,
                     "rid": str(rids[i]) if rids is not None else uuid.uuid4().hex})
-    return out, batch  # type: ignore[return-value]
+    return out, batch
 
 
 class Handler(BaseHTTPRequestHandler):

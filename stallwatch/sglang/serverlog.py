@@ -107,7 +107,7 @@ class LogState:
     def feed(self, ev: LogEvent) -> None:
         if ev.kind == "ready":
             args = self.args
-            self.__init__(starts=self.starts + 1)  # type: ignore[misc]
+            self.__init__(starts=self.starts + 1)  # type: ignore[misc]  # reset in place; no subclass
             self.args = args
         elif ev.kind == "args":
             self.args = ev
