@@ -298,13 +298,20 @@ WIDE = """
 VICTIM = """
     import os, sys, time
     last, go = sys.argv[1], sys.argv[2]
-    while not os.path.exists(go):  # the test says when: once the wide tree stands
-        time.sleep(0.05)
-    for i in range(10):
-        print(f"step {i}/100", flush=True)
+    i = 0
+    # Healthy progress until the test says when (once the wide tree stands, which takes seconds
+    # on a loaded machine: silent meanwhile, the victim was called hung before it began), then
+    # ten more steps, then a hang: no progress, nothing on CPU.
+    while not os.path.exists(go):
+        print(f"step {i}/100000", flush=True)
+        i += 1
+        time.sleep(0.2)
+    for _ in range(10):
+        print(f"step {i}/100000", flush=True)
+        i += 1
         time.sleep(0.2)
     open(last, "w").write(repr(time.time()))
-    time.sleep(3600)  # a hang: no progress, nothing on CPU
+    time.sleep(3600)
 """
 
 
