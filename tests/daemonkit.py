@@ -15,12 +15,16 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 
 from stallwatch.actions.filecheck import validate_file
+from stallwatch.daemon.core import Daemon
 from stallwatch.kernel import proc
 from stallwatch.kernel.roots import Absent, Denied
 
@@ -203,3 +207,18 @@ def start_ticks(pid: int) -> int | None:
         return proc.Proc(pid).stat().start_ticks
     except (Absent, Denied, OSError, ValueError):
         return None
+
+
+@contextmanager
+def daemon_in_thread(daemon: Daemon) -> Iterator[threading.Thread]:
+    """Run an in-process Daemon in a thread from its first tick (asserted within 30 s) to the
+    end of the block: then it is asked to stop, and asserted gone within 30 s."""
+    t = threading.Thread(target=daemon.run, name="daemon", daemon=True)
+    t.start()
+    try:
+        assert daemon.started.wait(30), "the daemon did not tick"
+        yield t
+    finally:
+        daemon.request_stop()
+        t.join(30)
+    assert not t.is_alive(), "the daemon did not stop"

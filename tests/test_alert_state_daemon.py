@@ -52,7 +52,7 @@ def _start(h: Harness, rules: str):
 def test_a_pending_timer_and_a_firing_alert_survive_sighup(h: Harness) -> None:
     rule_file, daemon = _start(h, _rule("waiting", "1h") + _rule("fired", "1s") + BROKEN)
     before = wait_until(lambda: (a := _alerts(h)) and a.get("fired", {}).get("state") == "firing"
-                      and "waiting" in a and a, 60, "one alert pending, one firing")
+                        and "waiting" in a and a, 60, "one alert pending, one firing")
     assert before["waiting"]["state"] == "pending"
     wait_until(lambda: time.time() - before["waiting"]["active_at"] > 2.0, 30, "2 s of pending")
     # Changed rule files (other summaries): a reload that builds new rules for the job.
@@ -75,7 +75,7 @@ def test_a_pending_timer_and_a_firing_alert_survive_sighup(h: Harness) -> None:
     rule_file.write_text(_rule("waiting", "2s", "still") + _rule("fired", "1s", "still"))
     daemon.send_signal(signal.SIGHUP)
     fired = wait_until(lambda: (a := _alerts(h)).get("waiting", {}).get("state") == "firing" and a,
-                     30, "the carried timer to fire under its new `for`")
+                       30, "the carried timer to fire under its new `for`")
     assert abs(fired["waiting"]["active_at"] - before["waiting"]["active_at"]) < SAME_S
     assert h.stop(daemon) == 0
 
@@ -100,7 +100,7 @@ def test_a_for_timer_survives_a_daemon_restart(h: Harness) -> None:
     assert outage_s >= restarted_at - down_at - 1.0, "the outage was counted as pending"
     assert resumed["active_at"] <= h.job()["verdict_at"] - held_s + 1.0, "the timer started over"
     fired = wait_until(lambda: (a := _alerts(h)["waiting"])["state"] == "firing" and a, 30,
-                     "the alert to fire")
+                       "the alert to fire")
     assert abs(fired["active_at"] - resumed["active_at"]) < SAME_S
     assert fired["fired_at"] - fired["active_at"] >= 8.0  # never early: the outage not counted
     assert h.stop(second) == 0

@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import urllib.request
-import threading
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from stallwatch.daemon.core import Daemon
 from stallwatch.daemon.status import exit_code, render_status, status_doc
 from stallwatch.daemon.state import StateDB
 
+from daemonkit import daemon_in_thread
 from rigs import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,10 +65,7 @@ def test_daemon_in_a_thread(tmp_path: Path) -> None:
                                        f'state_dir = "state"\nmetrics_listen = "127.0.0.1:{port}"'))
     cfg = load_config(p)
     d = Daemon(cfg, gpu=False)
-    t = threading.Thread(target=d.run, name="daemon")
-    t.start()
-    try:
-        assert d.started.wait(30)
+    with daemon_in_thread(d):
         state = tmp_path / "state"
 
         def row(name):
@@ -101,10 +98,6 @@ def test_daemon_in_a_thread(tmp_path: Path) -> None:
         d.request_reload()  # same file: nothing changes, nothing breaks
         ticks = d.ticks
         wait_until(lambda: d.ticks > ticks + 2, 10, "ticks after the reload")
-    finally:
-        d.request_stop()
-        t.join(30)
-    assert not t.is_alive()
     db = StateDB.open_readonly(tmp_path / "state")
     doc = status_doc(db, tmp_path / "state")
     db.close()
@@ -123,15 +116,9 @@ def test_dry_run_starts_and_kills_nothing(tmp_path: Path) -> None:
     p.write_text(p.read_text().replace('state_dir = "state"', 'state_dir = "state"\ndry_run = true'))
     cfg = load_config(p)
     d = Daemon(cfg, gpu=False)
-    t = threading.Thread(target=d.run, name="daemon")
-    t.start()
-    try:
-        assert d.started.wait(30)
+    with daemon_in_thread(d):
         ticks = d.ticks
         wait_until(lambda: d.ticks > ticks + 3, 10, "a few ticks")
-    finally:
-        d.request_stop()
-        t.join(30)
     db = StateDB.open(tmp_path / "state")
     assert db.runs("writer") == [] and db.runs("missing") == []
     assert db.job("writer")["phase"] == "new"  # a later real daemon starts it
@@ -148,32 +135,28 @@ def test_attached_by_match_is_watched_never_restarted(tmp_path: Path) -> None:
                  f'[[job]]\nname = "other"\nmatch = "time.sleep.300. {tag}$"\n')
     p.chmod(0o644)
     d = Daemon(load_config(p), gpu=False)
-    t = threading.Thread(target=d.run, name="daemon")
-    t.start()
     try:
-        assert d.started.wait(30)
-        state = tmp_path / "state"
+        with daemon_in_thread(d):
+            state = tmp_path / "state"
 
-        def row():
+            def row():
+                db = StateDB.open_readonly(state)
+                try:
+                    return db.job("other")
+                finally:
+                    db.close()
+
+            wait_until(lambda: row()["pid"] == sleeper.pid, 10, "the match to find the process")
+            assert row()["phase"] == "attached"
+            sleeper.kill()
+            sleeper.wait(10)
+            wait_until(lambda: '"unknown"' in row()["verdict_json"] and "exited" in row()["verdict_json"],
+                       10, "the exit to be seen")
             db = StateDB.open_readonly(state)
-            try:
-                return db.job("other")
-            finally:
-                db.close()
-
-        wait_until(lambda: row()["pid"] == sleeper.pid, 10, "the match to find the process")
-        assert row()["phase"] == "attached"
-        sleeper.kill()
-        sleeper.wait(10)
-        wait_until(lambda: '"unknown"' in row()["verdict_json"] and "exited" in row()["verdict_json"],
-                 10, "the exit to be seen")
-        db = StateDB.open_readonly(state)
-        doc = status_doc(db, state)
-        db.close()
-        job, = doc["jobs"]
-        assert job["phase"] == "attached" and "never restarts" in job["note"]
-        assert job["restarts"] == 0 and not job["supervised"]
+            doc = status_doc(db, state)
+            db.close()
+            job, = doc["jobs"]
+            assert job["phase"] == "attached" and "never restarts" in job["note"]
+            assert job["restarts"] == 0 and not job["supervised"]
     finally:
-        d.request_stop()
-        t.join(30)
         sleeper.kill()

@@ -166,7 +166,7 @@ def test_daemon_sigkilled_mid_run_new_daemon_reattaches(h: Harness, tmp_path: Pa
                     "--once", str(tmp_path / "fault-fired")], job="max_restarts = 3")
     first = h.start()
     wait_until(lambda: (j := h.job()) and j["phase"] == "running" and j["restarts"] == 1, 60,
-             "the restarted run")
+               "the restarted run")
     run2 = h.q("SELECT * FROM runs ORDER BY id")[-1]
     pid, ticks = run2["pid"], run2["start_ticks"]
     wait_until(lambda: "10/70" in h.log.read_text(), 30, "some progress of run 2")
@@ -215,7 +215,7 @@ def test_reused_pid_is_never_adopted_or_killed(h: Harness, tmp_path: Path) -> No
     os.kill(run["wrapper_pid"], signal.SIGKILL)
     os.killpg(run["pgid"], signal.SIGKILL)
     wait_until(lambda: start_ticks(run["pid"]) is None or start_ticks(run["pid"]) != run["start_ticks"], 10,
-             "the job to be gone")
+               "the job to be gone")
     # ... and an unrelated process now holds the job's pid (same pid, another start time).
     record = tmp_path / "signals.txt"
     stranger = subprocess.Popen([sys.executable, "-c", SIGNAL_RECORDER, str(record)],
@@ -238,7 +238,7 @@ def test_reused_pid_is_never_adopted_or_killed(h: Harness, tmp_path: Path) -> No
         h.wait_log(rf"pid {stranger.pid} now belongs to another process", 30)
         # The old run is lost (no exit status): a crash incident, and a restart of the job ...
         wait_until(lambda: len(h.q("SELECT * FROM runs")) == 2 and h.phase() == "running", 30,
-                 "the job to be started again")
+                   "the job to be started again")
         inc = h.incidents()[-1]
         assert inc["kind"] == "crash" and "lost" in inc["verdict_json"]
         # ... while the stranger was never signalled, never adopted.
@@ -312,7 +312,7 @@ def test_bad_reload_keeps_old_config_and_sd_notify(h: Harness, tmp_path: Path) -
             daemon.send_signal(signal.SIGHUP)
             h.wait_log(r"reloaded .*: 2 job\(s\)", 20)
             wait_until(lambda: (j := h.job("sleeper")) and j["pid"] == sleeper.pid, 20,
-                     "the new job attached")
+                       "the new job attached")
             st = h.status_json()
             assert [j["name"] for j in st["jobs"]] == ["extract", "sleeper"]
             assert st["daemon"]["last_reload_error"] is None
@@ -363,13 +363,13 @@ def test_writer_frozen_in_d_io_stall_no_second_writer_then_resumed(h: Harness,
         wait_for_state(writer, "D", 10)
         # io_stall within the bound: 3 s without progress and 2 s in D, `for` 1 s, a tick.
         wait_until(lambda: [i for i in h.incidents() if i["kind"] == "io_stall"], 30,
-                 "an io_stall incident")
+                   "an io_stall incident")
         detected = time.monotonic() - frozen_at
         assert detected < 12, f"io_stall took {detected:.1f} s"
         assert h.q("SELECT COUNT(*) AS n FROM incidents")[0]["n"] == 1
         # SIGKILL cannot take a task out of D: the kill says so, and the resume waits.
         note = wait_until(lambda: (i := h.incidents()[0]) and i["note"].startswith("unkillable")
-                        and i["note"], 30, "the unkillable note")
+                          and i["note"], 30, "the unkillable note")
         assert f"pid {writer} in D" in note and "resume waits" in note
         ticks = h.ticks()
         while h.ticks() < ticks + 12:  # three seconds of ticks: never a second writer

@@ -46,7 +46,7 @@ def test_exit_code_and_identity(tmp_path: Path) -> None:
 def test_running_status_then_signal_to_the_jobs_group(tmp_path: Path) -> None:
     sp, sf, _log = start(tmp_path, ["sleep", "60"])
     doc = wait_until(lambda: (d := read_status(sf)) and d.get("state") == "running" and d,
-                   10, "the running status")
+                     10, "the running status")
     assert identity_alive(doc["pid"], doc["start_ticks"])
     assert find_wrapper(sf) == sp.wrapper_pid
     # The job has a group of its own, in the wrapper's new session: the daemon's kill hits the

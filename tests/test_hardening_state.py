@@ -237,11 +237,11 @@ def test_full_disk_under_the_state_dir_detects_alerts_and_writes_back(h: Harness
             fill_up(mnt / "fill")  # the state dir's filesystem
             # The job crashes at sample 60 with the disk full: detected, alerted, restarted.
             wait_until(lambda: any(e["kind"] == "crash" and e["state"] == "firing" for e in events),
-                     60, "the crash alert with the state on a full disk")
+                       60, "the crash alert with the state on a full disk")
             h.wait_log(r"state database cannot be written \(OperationalError: database or disk is "
                        r"full\)", 10)
             wait_until(lambda: any(e["kind"] == "crash" and e["state"] == "resolved" for e in events),
-                     60, "the restart resolving the incident")
+                       60, "the restart resolving the incident")
             assert d.poll() is None
             log = h.daemon_log()
             assert log.count("state database cannot be written") == 1  # said once, not every tick

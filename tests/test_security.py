@@ -252,9 +252,9 @@ retry_initial_s = 0.05
                              stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
     try:
         wait_until(lambda: "stopped" in log.read_text(errors="replace") and
-                 "give_up" in _actions(state), 60, "the job given up after its restart")
+                   "give_up" in _actions(state), 60, "the job given up after its restart")
         wait_until(lambda: "slack" in log.read_text(errors="replace").lower(), 20,
-                 "the Slack sink to fail (no network) and say so")
+                   "the Slack sink to fail (no network) and say so")
         st = subprocess.run([sys.executable, "-m", "stallwatch", "status", "--json", "--config",
                              str(cfg)], capture_output=True, text=True, timeout=60, env=env)
         assert st.stdout and json.loads(st.stdout)["jobs"][0]["name"] == "extract"

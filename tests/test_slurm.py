@@ -19,6 +19,9 @@ from stallwatch.errors import UsageError
 from stallwatch.daemon.slurm import ended_by_slurm, job_state, parse_job_state
 from stallwatch.daemon.state import StateDB
 
+from daemonkit import daemon_in_thread
+from rigs import wait_until
+
 # `scontrol -o show job 3` right after `scancel 3` (slurm-wlm 22.05.8, Debian bookworm)
 SCANCELLED = (
     "JobId=3 JobName=c.sbatch UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901757 "
@@ -71,7 +74,7 @@ def test_config_takes_a_slurm_job_id():
 JOB = "echo 1/3; echo 2/3; sleep 0.5; kill -TERM $$"  # dies of SIGTERM, as scancel does it
 
 
-def _daemon(tmp_path: Path, state_fn) -> tuple[Daemon, threading.Thread]:
+def _daemon(tmp_path: Path, state_fn) -> Daemon:
     cfg = parse_config(f"""
 [daemon]
 interval_s = 0.1
@@ -88,11 +91,7 @@ restart_backoff_s = 0.1
 max_restarts = 1
 slurm_job_id = "77"
 """, "test")
-    d = Daemon(cfg, gpu=False, actions=Actions(slurm_job_state=state_fn), install_signals=False)
-    t = threading.Thread(target=d.run, name="daemon", daemon=True)
-    t.start()
-    assert d.started.wait(30), "the daemon did not tick"
-    return d, t
+    return Daemon(cfg, gpu=False, actions=Actions(slurm_job_state=state_fn), install_signals=False)
 
 
 def _row(tmp_path: Path) -> tuple[dict, list]:
@@ -103,26 +102,14 @@ def _row(tmp_path: Path) -> tuple[dict, list]:
         db.close()
 
 
-def _until(fn, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (v := fn()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.05)
-    return v
-
-
 def test_a_job_killed_while_slurm_ends_the_allocation_stops_quietly(tmp_path):
     asked = []
-    d, t = _daemon(tmp_path, lambda jid: asked.append(jid) or "COMPLETING")
-    try:
-        row = _until(lambda: (r := _row(tmp_path)[0]).get("phase") == "stopped" and r, 30,
-                     "the job stopped")
+    d = _daemon(tmp_path, lambda jid: asked.append(jid) or "COMPLETING")
+    with daemon_in_thread(d):
+        row = wait_until(lambda: (r := _row(tmp_path)[0]).get("phase") == "stopped" and r, 30,
+                         "the job stopped")
         ticks = d.ticks
-        _until(lambda: d.ticks > ticks + 5, 10, "more ticks")  # and it stays that way
-    finally:
-        d.request_stop()
-        t.join(30)
+        wait_until(lambda: d.ticks > ticks + 5, 10, "more ticks")  # and it stays that way
     row, incidents = _row(tmp_path)
     assert asked == ["77"]
     assert incidents == []
@@ -132,12 +119,9 @@ def test_a_job_killed_while_slurm_ends_the_allocation_stops_quietly(tmp_path):
 
 
 def test_a_job_killed_while_slurm_says_running_is_a_crash(tmp_path):
-    d, t = _daemon(tmp_path, lambda jid: "RUNNING")
-    try:
-        _until(lambda: _row(tmp_path)[0].get("restarts") == 1, 30, "the restart")
-    finally:
-        d.request_stop()
-        t.join(30)
+    d = _daemon(tmp_path, lambda jid: "RUNNING")
+    with daemon_in_thread(d):
+        wait_until(lambda: _row(tmp_path)[0].get("restarts") == 1, 30, "the restart")
     _, incidents = _row(tmp_path)
     assert [i["kind"] for i in incidents] == ["crash"]
 
@@ -149,20 +133,19 @@ def test_slurm_that_does_not_answer_never_stalls_the_daemon(tmp_path):
         release.wait(60)
         return None  # no answer at all: judged as if there were no Slurm
 
-    d, t = _daemon(tmp_path, stuck)
-    try:
-        _until(lambda: (tmp_path / "job.log").exists()
-               and "2/3" in (tmp_path / "job.log").read_text(), 30, "the job's progress")
-        time.sleep(1.0)  # the job dies of SIGTERM 0.5 s after its last line
-        ticks = d.ticks
-        _until(lambda: d.ticks > ticks + 5, 10, "ticks while Slurm does not answer")
-        assert _row(tmp_path)[1] == []  # judgment held, not a crash yet
-        release.set()
-        _until(lambda: _row(tmp_path)[1], 30, "the crash incident once the question failed")
-    finally:
-        release.set()
-        d.request_stop()
-        t.join(30)
+    d = _daemon(tmp_path, stuck)
+    with daemon_in_thread(d):
+        try:
+            wait_until(lambda: (tmp_path / "job.log").exists()
+                       and "2/3" in (tmp_path / "job.log").read_text(), 30, "the job's progress")
+            time.sleep(1.0)  # the job dies of SIGTERM 0.5 s after its last line
+            ticks = d.ticks
+            wait_until(lambda: d.ticks > ticks + 5, 10, "ticks while Slurm does not answer")
+            assert _row(tmp_path)[1] == []  # judgment held, not a crash yet
+            release.set()
+            wait_until(lambda: _row(tmp_path)[1], 30, "the crash incident once the question failed")
+        finally:
+            release.set()  # first: a daemon stopping must not wait on the stuck question
     assert [i["kind"] for i in _row(tmp_path)[1]] == ["crash"]
 
 

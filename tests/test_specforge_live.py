@@ -57,13 +57,13 @@ def run_scenario(tmp: Path, args: tuple[str, ...], fault: Callable[[Path, Path],
             rigs.wait_until(lambda: list(out.glob(".specforge_job_fault_*")), 120, "the fault")
         fired = time.monotonic()
         rigs.wait_until(lambda: job.poll() is not None or time.monotonic() - fired >= STALL_AGE_S,
-                 STALL_AGE_S + 30, "the stall to age")
+                        STALL_AGE_S + 30, "the stall to age")
         if job.poll() is not None:
             # a few snapshots of the ended job, counted (a loaded recorder ticks late: four
             # seconds were once too few for it to read the closing lines)
             seen = len(trace.read_bytes().splitlines()) if trace.exists() else 0
             rigs.wait_until(lambda: trace.exists() and len(trace.read_bytes().splitlines()) >= seen + 4,
-                     60, "four snapshots of the ended job")
+                            60, "four snapshots of the ended job")
         rec.send_signal(signal.SIGINT)
         if release is not None:
             release()
