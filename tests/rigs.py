@@ -408,7 +408,7 @@ class FakeProc:
             tids: tuple[int, ...] = (),
             utime: int = 0, stime: int = 0, ctx: tuple[int, int] = (1, 1), rchar: int = 0,
             wchan: str = "do_wait", syscall: str = "61 0x1 0x2 0x3 0x4 0x5 0x6 0x7 0x8",
-            exit_code: int = 0) -> None:
+            exit_code: int = 0, cpu: int = 0) -> None:
         d = self.proc / str(pid)
         if d.exists():
             shutil.rmtree(d)
@@ -422,7 +422,7 @@ class FakeProc:
             for target in (t, d) if tid == pid else (t,):
                 (target / "stat").write_text(self.stat_line(
                     tid, comm, state, ppid, pid, utime, stime, 1 + len(tids), start_ticks,
-                    exit_code))
+                    exit_code, cpu))
                 (target / "status").write_text(
                     f"Name:\t{comm}\nState:\t{state}\nTgid:\t{pid}\nPid:\t{tid}\nPPid:\t{ppid}\n"
                     f"Uid:\t0\t0\t0\t0\nVmRSS:\t    1024 kB\nThreads:\t{1 + len(tids)}\n"
@@ -435,12 +435,12 @@ class FakeProc:
 
     @staticmethod
     def stat_line(pid: int, comm: str, state: str, ppid: int, pgid: int, utime: int, stime: int,
-                  num_threads: int, start_ticks: int, exit_code: int = 0) -> str:
+                  num_threads: int, start_ticks: int, exit_code: int = 0, cpu: int = 0) -> str:
         fields = ["0"] * 52  # fields 1..52 of proc(5), 0-based here
         fields[0], fields[1], fields[2] = str(pid), f"({comm})", state
         fields[3], fields[4], fields[5] = str(ppid), str(pgid), str(pgid)
         fields[13], fields[14], fields[19] = str(utime), str(stime), str(num_threads)
-        fields[21], fields[51] = str(start_ticks), str(exit_code)
+        fields[21], fields[38], fields[51] = str(start_ticks), str(cpu), str(exit_code)
         return " ".join(fields) + "\n"
 
 

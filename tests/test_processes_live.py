@@ -20,6 +20,7 @@ from rigs import (FakeProc, frozen_ext4, loop_ext4, root,  # noqa: F401 (root is
 
 from stallwatch.clock import FakeClock
 from stallwatch.probes.processes import ProcessesObs, ProcessesProbe
+from stallwatch.probes.processes_threads import STAT_EVERY_TICKS
 from stallwatch.probes.targets import Target
 
 
@@ -437,6 +438,92 @@ def test_a_poller_is_never_quiet_whatever_its_cpus_stolen_time():
             time.sleep(0.1)
     finally:
         for p in procs:
+            p.kill()
+            p.wait()
+
+
+def _ran(fake: FakeProc, pid: int, exec_start_s: float, runs: int) -> None:
+    """Task `pid` last ran at `exec_start_s` of its CPU's scheduler clock, its `runs`-th run:
+    /proc/PID/task/PID/sched as kernel 6.18 writes it (milliseconds) and schedstat."""
+    t = fake.proc / str(pid) / "task" / str(pid)
+    (t / "sched").write_text(f"job ({pid}, #threads: 1)\n{'-' * 67}\n"
+                             f"{'se.exec_start':<45}:{exec_start_s * 1000:>21.6f}\n")
+    (t / "schedstat").write_text(f"{runs * 1000} 0 {runs}\n")
+
+
+def test_last_ran_age_is_read_on_the_clock_of_the_cpu_that_stamped_it(tmp_path):
+    """se.exec_start is stamped by the clock of the CPU the thread last ran on (stat field 39),
+    behind /proc/uptime by the time stolen from that CPU: the age is uptime less exec_start less
+    that CPU's lag, on the full reading, on the idle-thread path after it and when the thread
+    next ran elsewhere. Uptime less exec_start (b990357) read these 0.2 s old runs as 5.2 and
+    3.7 s: test_attacks_bounds #9's poller called hung on a VM 4 h up. Deterministic where
+    test_a_poller_is_never_quiet_whatever_its_cpus_stolen_time needs a VM that has had steal."""
+    fake, clock = FakeProc(tmp_path), FakeClock()
+    fake.add(100, cpu=0)
+    fake.add(200, cpu=1)
+    fake.add(300, cpu=7)  # a CPU whose lag is unknown (not ours to run on): no age, not a guess
+    _ran(fake, 100, 995.3, 1)  # both ran at uptime 1000.3
+    _ran(fake, 200, 996.8, 1)
+    _ran(fake, 300, 990.0, 1)
+    uptime = fake.proc / "uptime"
+    uptime.write_text("1000.50 10.00\n")
+    lags = {0: 5.0, 1: 3.5}
+    probe = ProcessesProbe(Target(pids=(100, 200, 300)), roots=fake.roots, clock=clock,
+                           sched_lag_s=lags.get)
+
+    def ages() -> list[float | None]:
+        obs = probe.collect()
+        return [only(obs, pid).threads[0].last_ran_age_s for pid in (100, 200, 300)]
+
+    assert ages() == [pytest.approx(0.2), pytest.approx(0.2), None]
+    uptime.write_text("1002.50 10.00\n")
+    clock.advance(2.0)
+    assert ages() == [pytest.approx(2.2), pytest.approx(2.2), None]  # not run since: reused
+    fake.add(100, cpu=1)  # woke on CPU 1 at uptime 1002.4
+    _ran(fake, 100, 998.9, 2)
+    assert ages()[0] == pytest.approx(0.1)
+
+
+SLEEPER = """import os, sys, time
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+while True:  # when it last ran, on /proc/uptime's clock (CLOCK_BOOTTIME)
+    os.pwrite(fd, ("%.6f" % time.clock_gettime(time.CLOCK_BOOTTIME)).ljust(32).encode(), 0)
+    if float(sys.argv[2]) < 0:
+        os.read(os.pipe()[0], 1)  # a read that never returns: it never runs again
+    time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_last_ran_age_against_the_sleepers_own_log(tmp_path):
+    """Real sleepers (woken every 50 ms, every 2 s, never again) each log when they ran, on
+    uptime's clock; over more collects than STAT_EVERY_TICKS (full readings, the idle-thread
+    path, the stat turn) the probe's last_ran_age_s is never longer than the time since the run
+    logged before the collect, and the one that never runs again ages with the ticks. At b990357 the 50 ms sleeper read
+    3.8 and 5.3 s (its CPU's stolen time) on this CI's VM 4 h up."""
+    logs = {name: tmp_path / f"{name}.log" for name in ("p50ms", "p2s", "never")}
+    periods = {"p50ms": "0.05", "p2s": "2", "never": "-1"}
+    procs = {n: subprocess.Popen([sys.executable, "-c", SLEEPER, str(logs[n]), periods[n]])
+             for n in logs}
+    try:
+        wait_until(lambda: all(p.exists() and p.stat().st_size for p in logs.values()),
+                   what="the first logs")
+        probe = ProcessesProbe(Target(pids=tuple(p.pid for p in procs.values())))
+        never_ages = []
+        for _ in range(STAT_EVERY_TICKS + 2):
+            ran = {name: float(log.read_text()) for name, log in logs.items()}  # ran since
+            obs = probe.collect()
+            up_s = time.clock_gettime(time.CLOCK_BOOTTIME)
+            for name, proc in procs.items():
+                (t,) = only(obs, proc.pid).threads
+                assert t.last_ran_age_s is not None, (name, t)
+                # /proc/uptime has centiseconds: 0.02 s of rounding between two readings of it
+                assert t.last_ran_age_s <= up_s - ran[name] + 0.02, (name, t, up_s - ran[name])
+            never_ages.append(only(obs, procs["never"].pid).threads[0].last_ran_age_s)
+            next_tick = time.monotonic() + 0.1
+            wait_until(lambda t=next_tick: time.monotonic() >= t, timeout=5)
+        assert never_ages[-1] >= never_ages[0] + 0.1 * (len(never_ages) - 1) - 0.02
+    finally:
+        for p in procs.values():
             p.kill()
             p.wait()
 

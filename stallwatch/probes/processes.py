@@ -34,7 +34,7 @@ from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.kernel import procfs
 from stallwatch.kernel.procfiles import ProcFiles, ProcPaths
 from stallwatch.kernel.roots import DEFAULT_ROOTS, Absent, Denied, Roots
-from stallwatch.kernel.schedclock import SchedClock
+from stallwatch.kernel.schedclock import SchedClock, measure_lag_s
 from stallwatch.probes import torchrun
 from stallwatch.probes.processes_obs import (ExitObs, IoObs, OpenFileObs, ProcessesObs,
                                              ProcessObs, Role, SocketObs, ThreadObs)
@@ -86,6 +86,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         max_job_threads: int = 8192,
         budget_s: float | None = None,
         match_uid: int | None = None,
+        sched_lag_s: Callable[[int], float | None] | None = None,
     ) -> None:
         """known_starts pins explicit pids to a start time (a re-attaching daemon knows it), so a
         reused pid is never adopted; known_names is what the caller last knew them by, reported
@@ -121,8 +122,12 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         self._tck = clk_tck or os.sysconf("SC_CLK_TCK")
         self._runq = RunQueueTracker(self._tck)
         self._syscalls = procfs.SYSCALLS if syscall_table is None else syscall_table
-        # Turns a thread's se.exec_start into uptime seconds: on the host only (kernel/schedclock)
-        self._sched_clock = SchedClock(clock.monotonic) if self._paths.is_host() else None
+        # Turns a thread's se.exec_start into uptime seconds (kernel/schedclock): each CPU's lag is
+        # measured on the host; a fixture tree keeps its clocks unless given the lags it stands for
+        # (sched_lag_s: CPU -> seconds its scheduler clock is behind /proc/uptime, None unknown).
+        lag = sched_lag_s if sched_lag_s is not None else (
+            measure_lag_s if self._paths.is_host() else None)
+        self._sched_clock = None if lag is None else SchedClock(clock.monotonic, measure=lag)
         self._btime: int | None = None
         self._first_collect = True
         self._collects = 0
