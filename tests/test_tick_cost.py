@@ -180,7 +180,9 @@ def test_probes_that_cannot_block_run_inline_and_still_report(monkeypatch) -> No
         import pytest
 
         pytest.skip("/dev/kmsg unreadable (not root): the kmsg probe stays in its worker")
-    c = Collector(Target(name="x", pids=(os.getpid(),)), gpu=True)
+    # Its own NVML session (not the process-wide one other tests may have tried already): a
+    # retry is due, so the first tick tries it in a worker, and the next ones need not.
+    c = Collector(Target(name="x", pids=(os.getpid(),)), gpu=True, nvml=nv)
     handed: list[list[str]] = []
     real = c.runner.call_many
     monkeypatch.setattr(c.runner, "call_many",
