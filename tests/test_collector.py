@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 
@@ -58,6 +59,33 @@ def test_a_probe_that_raises_becomes_an_error_report():
     value, rep = DeadlineRunner().call("x", boom, 1.0)
     assert value is None and rep.status == ProbeStatus.error
     assert "ValueError: garbage in /proc" in rep.error
+
+
+def test_ctrl_c_while_waiting_for_a_probe_is_the_callers_not_the_probes():
+    """SIGINT reaching the thread that waits for the probes (`stallwatch record` stopped, most
+    of a loaded tick) is the caller's KeyboardInterrupt: it was filed as the probe's error
+    report, and the recorder went on to its --duration (test_specforge_live, under load)."""
+    release, started = threading.Event(), threading.Event()
+
+    def slow() -> str:
+        started.set()
+        release.wait(30)
+        return "late"
+
+    def interrupt() -> None:
+        started.wait(10)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    sender = threading.Thread(target=interrupt)
+    try:
+        sender.start()
+        with pytest.raises(KeyboardInterrupt):
+            DeadlineRunner().call("x", slow, 20.0)
+    finally:
+        release.set()
+        sender.join(10)
+        signal.signal(signal.SIGINT, before)
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="needs /dev/fuse for a dead mount")

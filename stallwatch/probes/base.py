@@ -189,17 +189,22 @@ class DeadlineRunner:
                 )))
                 continue
             remaining = max(0.0, t0 + deadline_s - self._clock.monotonic())
+            # The probe's own failure is read, not raised (fut.exception): what is raised while
+            # this thread waits is the caller's, never the probe's. A KeyboardInterrupt (Ctrl-C,
+            # or the SIGINT that stops `stallwatch record`) lands here in most of a loaded tick,
+            # and used to be filed as the probe's error report: the recorder did not stop.
             try:
-                value = fut.result(timeout=remaining)
+                failure = fut.exception(timeout=remaining)
             except TimeoutError:
                 out.append((None, ProbeReport(
                     name=name, status=ProbeStatus.timeout, duration_s=self._clock.monotonic() - t0,
                     error=f"{name} did not return within {deadline_s:g} s",
                 )))
                 continue
-            except BaseException as e:  # noqa: BLE001 - every failure of a probe becomes its report
-                out.append((None, report_for_exception(name, e, self._clock.monotonic() - t0)))
+            if failure is not None:  # every failure of a probe becomes its report
+                out.append((None, report_for_exception(name, failure, self._clock.monotonic() - t0)))
                 continue
+            value = fut.result()
             out.append((value, ProbeReport(name=name, status=ProbeStatus.ok,
                                            duration_s=self._clock.monotonic() - t0)))
         return out
