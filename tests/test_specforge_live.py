@@ -42,15 +42,22 @@ def run_scenario(tmp: Path, args: tuple[str, ...], fault: Callable[[Path, Path],
     `release` undoes the fault once the recorder has been told to stop: a recorder thread in D
     on a frozen filesystem holds the process's exit until the thaw (the kernel's rule)."""
     out, log, trace = out or tmp / "hs", tmp / "job.log", tmp / "trace.jsonl"
-    job = torchrun(out, log, *args)
+    # torchrun starts once the recorder has written a snapshot: a crash fires at batch 3, about
+    # a second after the workers' import of torch, and a recorder started after the workers was
+    # still importing stallwatch on a loaded machine ("rank 2 never seen", full CI run).
+    go = tmp / "go"
+    job = torchrun(out, log, *args, gate=go)
     kids: list[int] = []
     rec = None
     try:
-        kids = rigs.wait_until(lambda: (k := children(job.pid)) and len(k) >= 3 and k, 120, "3 workers")
         rec = subprocess.Popen([sys.executable, "-m", "stallwatch", "record", "--pid", str(job.pid),
                                 "--log", str(log), "--outputs", str(out), "--out", str(trace),
                                 "--interval", "1", "--duration", "150"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        rigs.wait_until(lambda: trace.exists() and len(trace.read_bytes().splitlines()) >= 2, 60,
+                        "the recorder's first snapshot")
+        go.touch()
+        kids = rigs.wait_until(lambda: (k := children(job.pid)) and len(k) >= 3 and k, 120, "3 workers")
         if fault is not None:
             fault(out, log)
         else:
