@@ -233,11 +233,12 @@ def test_metrics_parser_on_random_text(text: str) -> None:
 
 PROC_PARSERS = [procfs.parse_stat, procfs.parse_status, procfs.parse_io, procfs.parse_syscall,
                 procfs.parse_wchan, procfs.parse_stack, procfs.parse_btime,
-                procfs.parse_sched_exec_start_s, procfs.parse_uptime_s, procfs.parse_fdinfo,
-                procfs.parse_net_tcp]
+                procfs.parse_sched_exec_start_s, procfs.parse_sched_last_run,
+                procfs.parse_uptime_s, procfs.parse_fdinfo, procfs.parse_net_tcp]
 proc_chars = st.sampled_from(list("0123456789 ()\n\t:-xabcdefABCDEF") +
                              ["State:", "voluntary_ctxt_switches:", "rchar:", "btime ", "pos:",
-                              "flags:", "sl", "se.exec_start", "running", "[<0>]", "0x", "kB"])
+                              "flags:", "sl", "se.exec_start", "se.sum_exec_runtime", "-" * 20,
+                              "running", "[<0>]", "0x", "kB"])
 proc_text = st.one_of(st.text(max_size=300), st.lists(proc_chars, max_size=80).map("".join))
 
 

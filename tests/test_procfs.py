@@ -285,6 +285,18 @@ def test_sched_exec_start_from_a_real_capture():
     assert procfs.parse_uptime_s("917.16 1513.45\n") == 917.16
 
 
+def test_sched_last_run_reads_the_kernels_lines_not_the_comm():
+    """The header is "COMM (PID, #threads: N)" with a comm the task chose: a comm shaped like
+    a field (a newline in it too) is not read; sum_exec_runtime comes back in ns, exact, as
+    schedstat's first field has it."""
+    body = (f"{'-' * 67}\n{'se.exec_start':<45}:{'15050014.665672':>21}\n"
+            f"{'se.sum_exec_runtime':<45}:{'1.013071':>21}\n")
+    for comm in ("python3", "se.exec_start", "\nse.exec_start:", "se.exec_start:9"):
+        text = f"{comm} (42, #threads: 1)\n{body}"
+        assert procfs.parse_sched_last_run(text) == (pytest.approx(15050.014665672), 1013071)
+    assert procfs.parse_sched_last_run("se.exec_start : 5\n") == (None, None)  # header only
+
+
 def test_malformed_lines_found_by_fuzzing_are_value_errors():
     """Each of these raised IndexError, which no caller expects (the processes probe turns a
     ValueError into an unreadable field)."""

@@ -238,10 +238,34 @@ def parse_sched_exec_start_s(text: str) -> float | None:
     This is history a one-shot diagnosis cannot otherwise see: a deadlocked thread that last ran
     three hours ago says so at once, without watching it for three hours.
     """
-    for line in text.splitlines():
-        if line.startswith("se.exec_start"):
-            return float(line.rpartition(":")[2]) / 1000.0
-    return None
+    return parse_sched_last_run(text)[0]
+
+
+def parse_sched_last_run(text: str) -> tuple[float | None, int | None]:
+    """(`se.exec_start` in seconds, `se.sum_exec_runtime` in ns) from /proc/PID/sched; None for a
+    field the kernel does not print. sum_exec_runtime is schedstat's first field too (the same
+    task->se.sum_exec_runtime, printed here in ms with 6 decimals by kernel/sched/debug.c's PN),
+    so the two files say whether the task ran between their reads.
+
+    The first line is "COMM (PID, #threads: N)", and the comm is the task's to choose (prctl
+    PR_SET_NAME, 15 bytes, a newline included): a thread named "se.exec_start" made the line
+    match and its " 1)" raise. Only the lines after the row of dashes that ends the header are
+    read (or after the first line, should a kernel print no dashes): a comm is too short to
+    make that row.
+    """
+    lines = text.splitlines()
+    start = next((i + 1 for i, ln in enumerate(lines) if len(ln) >= 20 and not ln.strip("-")), 1)
+    exec_start_s: float | None = None
+    sum_ns: int | None = None
+    for line in lines[start:]:
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "se.exec_start":
+            exec_start_s = float(value) / 1000.0
+        elif key == "se.sum_exec_runtime":
+            ms, _, frac = value.strip().partition(".")
+            sum_ns = int(ms) * 1_000_000 + int((frac + "000000")[:6])
+    return exec_start_s, sum_ns
 
 
 def parse_uptime_s(text: str) -> float:

@@ -142,8 +142,8 @@ class ThreadReader:
                             "syscall", denied) if blocked else None
         stack = (self._optional(f"{d}/stack", procfs.parse_stack, "stack", denied)
                  if blocked and self.read_stacks else None)
-        ran_up = (self._ran_uptime(self._optional(f"{d}/sched", procfs.parse_sched_exec_start_s,
-                                                  "sched", denied), st)
+        ran_up = (self._ran_uptime(self._optional(f"{d}/sched", procfs.parse_sched_last_run,
+                                                  "sched", denied), sched, st, tick)
                   if blocked else None)
         run_wait = None  # schedstat's (ns on a CPU, ns waiting for one), for runnable threads
         if st.state == "R" and self._has_schedstat(pid):
@@ -230,10 +230,25 @@ class ThreadReader:
         tick.memos_seen += 1
         return obs
 
-    def _ran_uptime(self, exec_start_s: float | None, st: procfs.Stat) -> float | None:
+    def _ran_uptime(self, run: tuple[float | None, int | None] | None, sched: bytes | None,
+                    st: procfs.Stat, tick: _Tick) -> float | None:
         """When the thread last ran, in /proc/uptime seconds. se.exec_start is on the clock of
         the CPU it ran on, behind uptime by that CPU's stolen time (kernel/schedclock.py): on
-        the host that lag is measured and added; a capture's clocks are taken as read."""
+        the host that lag is measured and added; a capture's clocks are taken as read.
+
+        That CPU is stat's, read before sched: a thread that ran in between, on another CPU,
+        would have one CPU's lag added to another's stamp (1.5 s apart on the CI VM). sched's
+        se.sum_exec_runtime equal to schedstat's first field (read before stat) says it did not
+        run since; when they differ it ran during this collect, so it just ran (short by at most
+        the collect), and its moved schedstat has the next collect read it afresh."""
+        exec_start_s, sum_ns = run if run is not None else (None, None)
+        if exec_start_s is None:
+            return None
+        if sched is not None and sum_ns is not None:
+            got = schedstat_or_none(sched.decode())
+            if got is not None and got[0] != sum_ns:
+                up = self._uptime(tick)
+                return None if up < 0 else up
         if self._sched_clock is None:
             return exec_start_s
         return self._sched_clock.uptime_of(exec_start_s, st.processor)
