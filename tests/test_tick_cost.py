@@ -198,3 +198,27 @@ def test_probes_that_cannot_block_run_inline_and_still_report(monkeypatch) -> No
     for s in snaps:
         assert [r.name for r in s.probes] == ["processes", "gpu", "kmsg", "disks"]
         assert s.kernel is not None and s.kernel.status == "ok" and s.gpu is not None
+
+
+def test_dev_shm_on_tmpfs_is_read_inline_and_still_reported(tmp_path: Path, monkeypatch) -> None:
+    import pytest
+
+    from stallwatch.kernel.diskfs import mount_for_path, parse_mountinfo
+    from stallwatch.probes import disks
+
+    here = mount_for_path(parse_mountinfo(Path("/proc/self/mountinfo").read_text()), "/dev/shm")
+    if here is None or here.mount_point != "/dev/shm" or here.fs_type != "tmpfs":
+        pytest.skip("/dev/shm is not a tmpfs mount here: it stays in its worker")
+    probe = disks.DisksProbe([str(tmp_path)], dev_shm="/dev/shm")
+    handed: list[str] = []
+    real = probe._workers.submit
+    monkeypatch.setattr(probe._workers, "submit", lambda name, fn: handed.append(name) or real(name, fn))
+    try:
+        obs = [probe.collect() for _ in range(3)]
+    finally:
+        probe.close()
+    # The first collect has no mountinfo yet: a worker; then inline. The other path: a worker.
+    assert handed.count("/dev/shm") == 1 and handed.count(str(tmp_path)) == 3, handed
+    for o in obs:
+        shm, = [u for u in o.paths if u.kind == "dev_shm"]
+        assert shm.status == "ok" and shm.shm_segments is not None and shm.total_bytes

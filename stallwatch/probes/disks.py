@@ -283,8 +283,20 @@ class DisksProbe:
                 call.future.set_result(facts)
 
         self._calls[path] = call
-        self._workers.submit(path, work)
+        if is_shm and self._in_memory(path):
+            work()  # tmpfs: kernel memory, cannot block; no worker handoff (issue 17)
+        else:
+            self._workers.submit(path, work)
         return call
+
+    def _in_memory(self, path: str) -> bool:
+        """`path` is itself a tmpfs mount point in our own namespace (mountinfo as last read): its
+        statvfs and listing touch only memory. A symlink there would have been resolved when
+        it was mounted, so the mount point is the path's own directory."""
+        if self.mountinfo_pid is not None:
+            return False  # the job's view, not the one statvfs runs in
+        m = mount_for_path(self._mi_parsed, path)
+        return m is not None and m.mount_point == path and m.fs_type == "tmpfs"
 
     def _inspect(self, path: str, is_shm: bool) -> _FsFacts:
         resolved = os.path.realpath(path)
