@@ -60,21 +60,36 @@ _DISKSTAT_FIELDS = [
 ]
 
 
-def parse_diskstats(text: str) -> dict[str, DiskStat]:
-    """Device name -> counters. Malformed lines are skipped: one odd driver must not blind us."""
+def parse_diskstats(text: str, known: dict[str, DiskStat] | None = None) -> dict[str, DiskStat]:
+    """Device name -> counters. Malformed lines are skipped: one odd driver must not blind us.
+
+    `known` maps a line as last read to what it parsed to: a device whose counters did not move
+    (most loop and ram devices, every tick) is not parsed and validated again (issue 17). It is
+    replaced by this read's lines, so it never holds more than the file."""
     out: dict[str, DiskStat] = {}
+    lines: dict[str, DiskStat] = {}
     for line in text.splitlines():
-        parts = line.split()
-        if len(parts) < 14:
+        stat = known.get(line) if known is not None else None
+        if stat is None and (stat := parse_diskstat_line(line)) is None:
             continue
-        try:
-            nums = [int(p) for p in parts[3:3 + len(_DISKSTAT_FIELDS)]]
-            major, minor = int(parts[0]), int(parts[1])
-        except ValueError:
-            continue
-        fields = dict(zip(_DISKSTAT_FIELDS, nums, strict=False))  # older kernels: fewer, the rest None
-        out[parts[2]] = DiskStat(major=major, minor=minor, name=parts[2], **fields)
+        out[stat.name] = lines[line] = stat
+    if known is not None:
+        known.clear()
+        known.update(lines)
     return out
+
+
+def parse_diskstat_line(line: str) -> DiskStat | None:
+    parts = line.split()
+    if len(parts) < 14:
+        return None
+    try:
+        nums = [int(p) for p in parts[3:3 + len(_DISKSTAT_FIELDS)]]
+        major, minor = int(parts[0]), int(parts[1])
+    except ValueError:
+        return None
+    fields = dict(zip(_DISKSTAT_FIELDS, nums, strict=False))  # older kernels: fewer, the rest None
+    return DiskStat(major=major, minor=minor, name=parts[2], **fields)
 
 
 class MountInfo(Frozen):

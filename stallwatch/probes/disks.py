@@ -146,6 +146,8 @@ class DisksProbe:
         self._mi_fd: int | None = None
         self._mi_fresh = False  # read since the last event: nothing changed until POLLPRI
         self._devices: dict[MountInfo, tuple[BlockDeviceRef | None, float]] = {}
+        self._mount_of: dict[str, MountInfo | None] = {}  # path -> mount, while mountinfo is the same
+        self._diskstats_lines: dict[str, DiskStat] = {}  # a line as last read -> its parse
         self._prev: dict[str, tuple[DiskStat, float]] = {}
         self._stuck_since: dict[str, float] = {}
         # /dev/shm's (dev, ino, mtime_ns), when it was listed (wall ns) and what it held.
@@ -223,6 +225,7 @@ class DisksProbe:
             if text != self._mi_text:
                 self._mi_text, self._mi_parsed = text, parse_mountinfo(text)
                 self._devices.clear()
+                self._mount_of.clear()
             return self._mi_parsed, ProbeStatus.ok
         except Absent as e:
             errors.append(f"mountinfo absent: {e}")
@@ -234,7 +237,7 @@ class DisksProbe:
     def _diskstats(self, errors: list[str]) -> tuple[dict[str, DiskStat], ProbeStatus]:
         try:
             text = kproc.diskstats(self.roots)
-            return parse_diskstats(text), ProbeStatus.ok
+            return parse_diskstats(text, self._diskstats_lines), ProbeStatus.ok
         except Absent as e:
             errors.append(f"diskstats absent: {e}")
             return {}, ProbeStatus.absent
@@ -247,14 +250,29 @@ class DisksProbe:
         for name, cur in stats.items():
             prev_t = self._prev.get(name)
             self._prev[name] = (cur, now)
-            row = _device_io(cur, prev_t, now, self._stuck_since)
-            # Dozens of never-used loop/ram devices would only bloat every trace line.
-            if name in watched or row.completed_ios_total or cur.inflight_ios:
-                out.append(row)
+            # Dozens of never-used loop/ram devices would only bloat every trace line. Such a
+            # device has nothing in flight, so it is not stuck: no row is built for it (issue 17).
+            if name in watched or cur.completed_ios or cur.inflight_ios:
+                out.append(_device_io(cur, prev_t, now, self._stuck_since))
+            else:
+                self._stuck_since.pop(name, None)
         for gone in set(self._prev) - set(stats):
             del self._prev[gone]
             self._stuck_since.pop(gone, None)
         return out
+
+    def _mount_for(self, mounts: list[MountInfo], path: str) -> MountInfo | None:
+        """mount_for_path, remembered while the mount table is the one last parsed (the walk
+        rebuilds the mount tree each call: 5 calls a tick cost ~0.1 ms, issue 17)."""
+        if mounts is not self._mi_parsed:
+            return mount_for_path(mounts, path)
+        try:
+            return self._mount_of[path]
+        except KeyError:
+            found = self._mount_of[path] = mount_for_path(mounts, path)
+            if len(self._mount_of) > 256:  # paths come from the job's open files: bounded
+                self._mount_of.clear()
+            return found
 
     def _device_for(self, mount: MountInfo, now: float) -> BlockDeviceRef | None:
         hit = self._devices.get(mount)
@@ -295,7 +313,7 @@ class DisksProbe:
         it was mounted, so the mount point is the path's own directory."""
         if self.mountinfo_pid is not None:
             return False  # the job's view, not the one statvfs runs in
-        m = mount_for_path(self._mi_parsed, path)
+        m = self._mount_for(self._mi_parsed, path)
         return m is not None and m.mount_point == path and m.fs_type == "tmpfs"
 
     def _inspect(self, path: str, is_shm: bool) -> _FsFacts:
@@ -351,7 +369,7 @@ class DisksProbe:
                 status, detail = ProbeStatus.error, f"statvfs on {path} failed: {type(e).__name__}: {e}"
 
         resolved = facts.resolved if facts else path
-        mount = mount_for_path(mounts, resolved)
+        mount = self._mount_for(mounts, resolved)
         device = self._device_for(mount, now) if mount else None
         where = _describe(mount, device)
         if status in (ProbeStatus.timeout, ProbeStatus.busy):
