@@ -487,3 +487,14 @@ def test_lost_events_mid_sweep_reconcile_whole_at_once(tmp_path, clock, make_pro
     o = probe.collect()  # the clock did not move: only the loss can have finished a sweep
     assert (o.reconciliations, o.file_count, o.overflows) == (2, 401, 1)
     assert probe._sweep is None
+
+
+@pytest.mark.parametrize("base", ["/data/out", "/data/out/", "/"])
+@pytest.mark.parametrize("tail", ["a.bin", "sub/a.bin", ".hidden", "..x", "a/../b", "a/./b", "a//b",
+                                  "", "../sibling/f"])
+def test_event_path_made_relative_as_relpath_does(base: str, tail: str, tmp_path: Path) -> None:
+    """The cut used for event paths answers what os.path.relpath answered for every spelling."""
+    probe = OutputsProbe(tmp_path, use_inotify=False)
+    probe._base = base.rstrip("/") or "/"
+    path = f"{probe._base.rstrip('/')}/{tail}" if tail else probe._base
+    assert probe._rel(path) == os.path.relpath(path, probe._base)
