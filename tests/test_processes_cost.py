@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -357,3 +358,58 @@ def test_evolve_is_model_copy():
     assert a.model_fields_set == b.model_fields_set and t.state_since_s == 1.0
     with pytest.raises(ValidationError):
         a.tid = 2  # still frozen
+
+
+# A process that holds a unix socket pair, then (told on stdin) a TCP socket that it connects
+# only when told again: between socket() and connect() a TCP socket is in no TCP table.
+SOCKETS = r"""
+import socket, sys
+a, b = socket.socketpair()
+print("unix", flush=True)
+sys.stdin.readline()
+s = socket.socket()
+print("made", flush=True)
+sys.stdin.readline()
+s.connect(("127.0.0.1", int(sys.argv[1])))
+print("connected", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_process_with_only_unix_sockets_costs_no_tcp_table_read_and_a_late_connect_is_seen():
+    """The TCP tables are the dearest read of an emulated /proc (2.8 ms each on the lent H200):
+    a process whose sockets are all in net/unix skips them, and a TCP socket made before it was
+    connected is still found once connected."""
+    def tcp_reads() -> int:
+        return sum(1 for p in CountingRoots.reads if p.endswith(("/net/tcp", "/net/tcp6")))
+
+    with socket.create_server(("127.0.0.1", 0)) as server, \
+            spawned([sys.executable, "-c", SOCKETS, str(server.getsockname()[1])],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as proc:
+        def step(expect: str) -> None:
+            assert proc.stdout.readline().strip() == expect
+
+        def go() -> None:
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+
+        step("unix")
+        CountingRoots.reads = []
+        probe = ProcessesProbe(Target(pids=(proc.pid,)), roots=CountingRoots())
+        for _ in range(3):
+            (p,) = [p for p in probe.collect().processes if p.pid == proc.pid]
+            assert p.tcp == ()
+        assert tcp_reads() == 0
+        assert sum(1 for r in CountingRoots.reads if r.endswith("/net/unix")) == 1  # learnt once
+
+        go()
+        step("made")  # a TCP socket, in no table yet
+        (p,) = [p for p in probe.collect().processes if p.pid == proc.pid]
+        assert p.tcp == () and tcp_reads() == 2
+        go()
+        step("connected")
+        conn, _ = server.accept()
+        with conn:
+            (p,) = [p for p in probe.collect().processes if p.pid == proc.pid]
+        (s,) = p.tcp
+        assert (s.remote_port, s.state) == (server.getsockname()[1], "ESTABLISHED")

@@ -312,3 +312,19 @@ def test_malformed_lines_found_by_fuzzing_are_value_errors():
     with _pytest.raises(ValueError):
         _procfs.parse_net_tcp("header\n 0: 0100007F 0100007F:1F90 0A 00000000:00000000 00:00000000 "
                               "00000000 0 0 12345\n")
+
+
+def test_net_unix_inodes_name_a_live_socketpair_and_nothing_of_a_tcp_socket():
+    import socket
+
+    a, b = socket.socketpair()
+    t = socket.socket()
+    try:
+        with open("/proc/self/net/unix") as f:
+            text = f.read()
+        found = procfs.parse_net_unix_inodes(text)
+        assert {os.fstat(a.fileno()).st_ino, os.fstat(b.fileno()).st_ino} <= found
+        assert os.fstat(t.fileno()).st_ino not in found
+        assert procfs.parse_net_unix_inodes(text.splitlines()[0]) == frozenset()  # header only
+    finally:
+        a.close(), b.close(), t.close()

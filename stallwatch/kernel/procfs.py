@@ -341,6 +341,17 @@ def parse_net_tcp(text: str, byteorder: str = sys.byteorder) -> tuple[TcpSocket,
     return tuple(out)
 
 
+def parse_net_unix_inodes(text: str) -> frozenset[int]:
+    """The socket inodes of /proc/net/unix (`Num RefCount Protocol Flags Type St Inode Path`):
+    the 7th field of every line after the header."""
+    out = set()
+    for line in text.splitlines()[1:]:
+        f = line.split(None, 7)
+        if len(f) >= 7 and f[6].isdigit():
+            out.add(int(f[6]))
+    return frozenset(out)
+
+
 def socket_inode(link: str) -> int | None:
     """The inode of an fd readlink `socket:[12345]`, None for anything else."""
     if link.startswith("socket:[") and link.endswith("]"):
