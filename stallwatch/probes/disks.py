@@ -371,8 +371,8 @@ class DisksProbe:
         resolved = facts.resolved if facts else path
         mount = self._mount_for(mounts, resolved)
         device = self._device_for(mount, now) if mount else None
-        where = _describe(mount, device)
         if status in (ProbeStatus.timeout, ProbeStatus.busy):
+            where = _describe(mount, device)  # only a stuck call's evidence names the mount
             detail = (f"statvfs on {path} did not return in {self.statvfs_deadline_s:g} s{where}"
                       if status is ProbeStatus.timeout else
                       f"statvfs on {path} has not returned for {age:.0f} s{where}; not retried until it does")
