@@ -8,8 +8,9 @@ Per tick, like stallwatch's probes (no GPU here, no server): the job's descendan
 ran), and for each process of the job's tree its task list, each thread's schedstat and stat (kept
 open, re-read with pread), and for a thread that ran or changed state its status (and wchan,
 syscall, stack, sched when it is off-CPU) — what stallwatch reads since issue 17 — the process's
-status, io, cwd, fd table (readlink of each fd, fdinfo of regular files), socket tables when it holds sockets;
-/proc/uptime; the log's new bytes (open, fstat, pread from the remembered offset, close);
+status, io, cwd, fd table (readlink of each fd, fdinfo of regular files), the TCP socket tables
+when it holds a socket that net/unix does not name; /proc/uptime; the log's new bytes (open,
+fstat, pread from the remembered offset, close);
 /dev/kmsg's new records; mountinfo (kept open, re-read when poll() reports a mount change),
 diskstats, the sysfs entries of the watched paths' block devices (every 60 s), statvfs of each
 watched path and /dev/shm (and its listing when its mtime moved); the outputs directory's
@@ -220,6 +221,8 @@ class Floor:
         for path in [p for p in self.kept if p not in self.kept_read]:
             os.close(self.kept.pop(path))
         self.kept_read = set()
+        self.unix: dict[str, set[int]] = {}  # ns -> unix socket inodes (the probe skips their TCP tables)
+        self.tcp: dict[str, set[int]] = {}  # ns -> inodes once found in a TCP table
 
     # -- processes
     FULL_SCAN_EVERY_S = 10.0  # as stallwatch's processes probe
@@ -307,10 +310,23 @@ class Floor:
             key = (p, starts[p])
             if key not in self.cmdlines:
                 self.cmdlines[key] = read(f"{d}/cmdline") or b""
-            if any(v.startswith("socket:[") for v in fds.values()):
-                readlink(f"{d}/ns/net")
-                read(f"{d}/net/tcp", 64 << 20)
-                read(f"{d}/net/tcp6", 64 << 20)
+            socks = {int(v[8:-1]) for v in fds.values() if v.startswith("socket:[")}
+            if socks:
+                ns = readlink(f"{d}/ns/net") or d
+                unix = self.unix.setdefault(ns, set())
+                tcp = self.tcp.setdefault(ns, set())
+                if not socks <= unix | tcp:  # as the probe: net/unix names the unix sockets once
+                    text = read(f"{d}/net/unix", 64 << 20) or b""
+                    unix |= socks & {int(f[6]) for f in (ln.split() for ln in text.splitlines()[1:])
+                                     if len(f) >= 7 and f[6].isdigit()}
+                if not socks <= unix:
+                    found = set()
+                    for name in ("tcp", "tcp6"):
+                        for ln in (read(f"{d}/net/{name}", 64 << 20) or b"").splitlines()[1:]:
+                            f = ln.split()
+                            if len(f) >= 10 and f[9].isdigit():
+                                found.add(int(f[9]))
+                    tcp |= socks & found
             n = 0
             for fd, link in fds.items():
                 if link.startswith("/") and not link.startswith("/dev/") and n < 64:
