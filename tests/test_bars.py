@@ -118,3 +118,33 @@ def test_root_cause_needs_its_header() -> None:
                  "  exitcode  : -9 (pid: 42)"):
         t.feed(line)
     assert (t.current.rank, t.current.exit_code, t.current.pid) == (1, -9, 42)
+
+
+def test_a_ghost_position_from_interleaved_writes_does_not_hold_the_run_open(tmp_path) -> None:
+    """nan_ghost_3ranks.log: a full CI run's log of the NaN scenario (3 ranks, tqdm 4.x) in which
+    one redraw of rank 2's bar at 2/10 picked up another rank's cursor-up and read as position 3.
+    Drawn once, it is dropped once the three real bars closed: the run completes, and its done
+    and total are the three ranks' (30 of 30), not 32 of 40."""
+    probe = probe_of("nan_ghost_3ranks.log", tmp_path)
+    obs = probe.collect()
+    bs = obs.bars
+    assert bs is not None
+    assert [(b.position, b.done, b.complete) for b in bs.bars] == [(0, 10, True), (1, 10, True),
+                                                                   (2, 10, True)]
+    assert bs.complete and bs.closing_lines == 3
+    assert obs.progress is not None
+    assert (obs.progress.done, obs.progress.total) == (30, 30)
+
+
+def test_a_bar_drawn_once_stays_in_view_while_another_is_open() -> None:
+    bars = MultiBars()
+    line = ("Generating Hidden States:  40%|####      | {n}/5 "
+            "[00:01<00:01,  2.00it/s, processed={p}, skipped=0, pending_io=0]")
+
+    def ev(n: int):
+        return parse_tqdm(line.format(n=n, p=4 * n))
+
+    bars.feed(ev(0), 0, False, 0.0)
+    bars.feed(ev(0), 1, False, 0.0)  # drawn once: a rank stuck right after its first draw
+    bars.feed(ev(3), 0, False, 1.0)
+    assert [b.position for b in bars.observe(2.0).bars] == [0, 1]

@@ -59,6 +59,7 @@ class _Bar:
     changes: int = 0
     closed: bool = False
     rate_per_s: float | None = None  # tqdm's own rate of this bar
+    sightings: int = 0  # redraws read at this position, moving or not
 
 
 class BarObs(Frozen):
@@ -121,6 +122,7 @@ class MultiBars:
             if len(self._bars) >= MAX_BARS:
                 return False
             bar = self._bars[ups] = _Bar(position=ups, changed_mono=now)
+        bar.sightings += 1
         done = float(ev.done)
         if bar.total is not None and total is not None and total != bar.total:
             # a different bar at this position: a restarted run; start it over
@@ -163,18 +165,37 @@ class MultiBars:
             bar.changes += 1
         return moved
 
+    def _real(self) -> list[_Bar]:
+        """The bars, less the ghosts of interleaved writes once the real ones are all closed.
+
+        Every rank writes its `"\\n" * p`, bar and `"\\x1b[A" * p` as separate writes to the one
+        log, so a bar can pick up another rank's cursor-ups and read as a position no rank has
+        (a full CI run: a bar at position 3 of a 3-rank job, drawn once at 2/10, left the run
+        never `complete`). A real bar is drawn at its position many times (tqdm draws it at 0/N
+        when made, then at every update and at its close); a ghost once. So a position read only
+        once is dropped when every bar read more often is closed. It is kept while any is open,
+        so a rank that stopped after its first draw stays in view while it matters; and a rank
+        that died after one draw cannot end a run whose other ranks closed, since torchrun ends
+        every worker when one fails (the others never reach their close)."""
+        bars = list(self._bars.values())
+        seen = [b for b in bars if b.sightings > 1]
+        if seen and all(b.closed for b in seen):
+            return [b for b in bars if b.sightings > 1 or b.closed]
+        return bars
+
     def aggregate(self) -> tuple[float, float | None, float | None]:
         """Done, total and tqdm's rate over every bar (sums): never backwards while bars only
         advance; the rate of the bars still open (a finished bar adds nothing any more)."""
-        done = sum(b.done for b in self._bars.values())
-        totals = [b.total for b in self._bars.values()]
+        real = self._real()
+        done = sum(b.done for b in real)
+        totals = [b.total for b in real]
         known = [t for t in totals if t is not None]
-        rates = [b.rate_per_s for b in self._bars.values() if b.rate_per_s and not b.closed]
+        rates = [b.rate_per_s for b in real if b.rate_per_s and not b.closed]
         return (done, (sum(known) if totals and len(known) == len(totals) else None),
                 sum(rates) if rates else None)
 
     def observe(self, now: float) -> BarSet:
-        bars = sorted(self._bars.values(), key=lambda b: b.position)
+        bars = sorted(self._real(), key=lambda b: b.position)
         n = len(bars)
         needed = self.desc == SPECFORGE_DESC
         complete = n > 0 and all(b.closed for b in bars) and (not needed or self.closing_lines >= n)
