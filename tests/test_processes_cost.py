@@ -413,3 +413,18 @@ def test_a_process_with_only_unix_sockets_costs_no_tcp_table_read_and_a_late_con
             (p,) = [p for p in probe.collect().processes if p.pid == proc.pid]
         (s,) = p.tcp
         assert (s.remote_port, s.state) == (server.getsockname()[1], "ESTABLISHED")
+
+
+def test_net_unix_is_read_once_a_tick_for_every_process_of_a_namespace() -> None:
+    """Two processes holding a UDP socket (in neither net/unix nor a TCP table, so looked up
+    every tick): the namespace's net/unix is read once per collect, not once per process."""
+    udp = ("import socket, sys\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+           "print(1, flush=True)\nsys.stdin.readline()\n")
+    with spawned([sys.executable, "-c", udp], stdin=subprocess.PIPE, stdout=subprocess.PIPE) as a, \
+            spawned([sys.executable, "-c", udp], stdin=subprocess.PIPE, stdout=subprocess.PIPE) as b:
+        a.stdout.readline(), b.stdout.readline()
+        probe = ProcessesProbe(Target(pids=(a.pid, b.pid)), roots=CountingRoots())
+        for n in range(1, 3):
+            CountingRoots.reads = []
+            probe.collect()
+            assert sum(1 for r in CountingRoots.reads if r.endswith("/net/unix")) == 1, n

@@ -47,6 +47,9 @@ __all__ = ["ExitObs", "IoObs", "OpenFileObs", "ProcessObs", "ProcessesObs", "Pro
            "SocketObs", "TargetSpec", "ThreadObs"]
 
 T = TypeVar("T")
+# Socket inodes remembered per network namespace as unix or TCP (ProcessesProbe._tcp): past this
+# many the set starts over, so a job that opens and closes sockets all day costs bounded memory.
+_MAX_SOCKETS_REMEMBERED = 4096
 
 
 class TargetSpec(Protocol):
@@ -455,9 +458,12 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         ns = self._link(self._paths.pid(pid, "ns/net"), "ns", tick) or f"pid:{pid}"
         unix, tcp = self._unix.setdefault(ns, set()), self._tcp_seen.setdefault(ns, set())
         if any(i not in unix and i not in tcp for i in inodes):
-            found = self._optional(self._paths.pid(pid, "net/unix"), procfs.parse_net_unix_inodes,
-                                   "net", tick.denied) or frozenset()
-            if len(unix) > 4096:  # bounded: a job that churns sockets starts over
+            found = tick.unix.get(ns)
+            if found is None:  # once per namespace per tick, as the TCP tables below
+                found = tick.unix[ns] = self._optional(
+                    self._paths.pid(pid, "net/unix"), procfs.parse_net_unix_inodes, "net",
+                    tick.denied) or frozenset()
+            if len(unix) > _MAX_SOCKETS_REMEMBERED:  # a job that churns sockets starts over
                 unix.clear()
             unix.update(i for i in inodes if i in found)
         if unix.issuperset(inodes):
@@ -469,7 +475,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
                 socks = self._optional(self._paths.pid(pid, f"net/{name}"), procfs.parse_net_tcp, "net", tick.denied)
                 table.update((sock.inode, sock) for sock in socks or ())
             tick.net[ns] = table
-        if len(tcp) > 4096:
+        if len(tcp) > _MAX_SOCKETS_REMEMBERED:
             tcp.clear()
         tcp.update(i for i in inodes if i in table)
         return tuple(

@@ -87,6 +87,7 @@ class _Tick:
     now: float
     denied: set[str] = field(default_factory=set)
     net: dict[str, dict[int, procfs.TcpSocket]] = field(default_factory=dict)
+    unix: dict[str, frozenset[int]] = field(default_factory=dict)  # ns -> net/unix's inodes
     uptime_s: float | None = None
     # Read by the tree walk at the start of the tick, reused by the thread reads after it.
     tids: dict[int, list[int]] = field(default_factory=dict)
