@@ -176,7 +176,7 @@ class MultiBars:
         once is dropped when every bar read more often is closed. It is kept while any is open,
         so a rank that stopped after its first draw stays in view while it matters; and a rank
         that died after one draw cannot end a run whose other ranks closed, since torchrun ends
-        every worker when one fails (the others never reach their close)."""
+        every worker when one fails (the others never reach their close; docs/upstream.md §1)."""
         bars = list(self._bars.values())
         seen = [b for b in bars if b.sightings > 1]
         if seen and all(b.closed for b in seen):
