@@ -201,6 +201,8 @@ class Floor:
         self.kept_read: set[str] = set()
         self.last: dict[str, tuple[bytes | None, bytes]] = {}  # thread dir -> (schedstat, state)
         self.kids: dict[str, tuple[bytes | None, list[int]]] = {}
+        self.unix: dict[str, set[int]] = {}  # ns -> unix socket inodes (the probe skips their TCP tables)
+        self.tcp: dict[str, set[int]] = {}  # ns -> inodes once found in a TCP table
 
     def pread(self, path: str) -> bytes | None:
         fd = self.kept.get(path)
@@ -221,8 +223,6 @@ class Floor:
         for path in [p for p in self.kept if p not in self.kept_read]:
             os.close(self.kept.pop(path))
         self.kept_read = set()
-        self.unix: dict[str, set[int]] = {}  # ns -> unix socket inodes (the probe skips their TCP tables)
-        self.tcp: dict[str, set[int]] = {}  # ns -> inodes once found in a TCP table
 
     # -- processes
     FULL_SCAN_EVERY_S = 10.0  # as stallwatch's processes probe

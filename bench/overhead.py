@@ -314,6 +314,14 @@ name = "{'extract' if watches[name] == 'job' else watches[name]}"
                 if name in daemons:
                     durs = list(tick_durs[name].values())
                     rows[name]["tick_wall_ms"] = summary(durs, 1e3, 2)
+            # A measured process that died in the window measured nothing: its row says so, and
+            # nothing is divided by it (a floor that crashed on its first tick once read as
+            # "floor 0.00 ms" and left every "x floor" blank without a word).
+            for name, p in procs.items():
+                if name in rows and p.poll() is not None:
+                    rows[name].update(exited=p.returncode, total=None)
+                    print(f"bench overhead: {name} exited with {p.returncode} during the window; "
+                          f"its row is void", file=sys.stderr)
             floor = rows.get("floor", {}).get("total") or {}
             for r in rows.values():
                 t = r.get("total") or {}
