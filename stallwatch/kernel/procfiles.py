@@ -13,7 +13,10 @@ and code that uses it (the daemon's wake-up pipe, test rigs) must never be hande
 cache grew. They are bounded by what lies between FD_FLOOR and the soft RLIMIT_NOFILE; past it,
 files are read the ordinary way. Those not read during the last `keep` sweeps (ticks) are closed
 by sweep(), or at once by release() when their owner knows the task is gone: an idle thread's
-stat is read one tick in eight, and must not be reopened each time.
+stat is read one tick in eight, and must not be reopened each time. A descriptor can also be
+handed over (take): its owner then reads it by number, with no lookup by path (a thread's
+schedstat, read for every thread every tick), and alone closes it (drop), so the number is never
+closed and reused under it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import weakref
 from stallwatch.kernel.roots import Roots, _raise_mapped
 
 READ_LIMIT = 16384  # stat, schedstat: well under a page
+SCHEDSTAT_LIMIT = 128  # schedstat: three u64s in decimal, at most 62 bytes; a smaller buffer is a
+# cheaper read, and it is read for every thread every tick
 FD_FLOOR = 1024  # FD_SETSIZE: select() handles descriptors below it only
 
 
@@ -47,23 +52,21 @@ class ProcFiles:
         self._fds: dict[str, int] = {}
         self._sweeps = 0
         self._read_sweep: dict[str, int] = {}  # path -> the sweep count when it was last read
+        # Descriptors handed out by take(): their owner reads and closes them (drop), sweep()
+        # never does, so a number held by an owner is never closed and reused under it.
+        self._taken: set[int] = set()
+        # The read a taken descriptor gets: an attribute, so a test can count reads by wrapping it.
+        self.pread = os.pread
         # The probe is replaced when a job restarts; its descriptors must not outlive it.
-        self._finalizer = weakref.finalize(self, _close_all, self._fds)
+        self._finalizer = weakref.finalize(self, _close_all, self._fds, self._taken)
 
     def read(self, path: str) -> bytes:
         """The file's bytes; Absent when the task is gone, Denied when hidden from us."""
         fd = self._fds.get(path)
         if fd is None:
-            if len(self._fds) >= self.max_open:
+            if len(self._fds) + len(self._taken) >= self.max_open:
                 return self.roots.read_small(path, READ_LIMIT)
-            try:
-                low = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError as e:
-                _raise_mapped(e, path)
-            try:
-                fd = fcntl.fcntl(low, fcntl.F_DUPFD_CLOEXEC, FD_FLOOR)
-            except OSError:  # EMFILE/EINVAL: no room up there after all; this read is plain
-                fd = None
+            low, fd = self._open(path)
             if fd is None:
                 try:
                     return os.read(low, READ_LIMIT)
@@ -71,7 +74,6 @@ class ProcFiles:
                     _raise_mapped(e, path)
                 finally:
                     os.close(low)
-            os.close(low)
             self._fds[path] = fd
         try:
             data = os.pread(fd, READ_LIMIT, 0)
@@ -80,6 +82,43 @@ class ProcFiles:
             _raise_mapped(e, path)
         self._read_sweep[path] = self._sweeps
         return data
+
+    def _open(self, path: str) -> tuple[int, int | None]:
+        """(a plain descriptor, None) or (-1, one at or above FD_FLOOR)."""
+        try:
+            low = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            _raise_mapped(e, path)
+        try:
+            fd = fcntl.fcntl(low, fcntl.F_DUPFD_CLOEXEC, FD_FLOOR)
+        except OSError:  # EMFILE/EINVAL: no room up there after all
+            return low, None
+        os.close(low)
+        return -1, fd
+
+    def take(self, path: str) -> int | None:
+        """A descriptor kept on this file, handed over: the caller reads it with
+        self.pread(fd, n, 0) and gives it back with drop(fd), which alone closes it. For the
+        hot loop of a wide job, which holds each thread's schedstat descriptor in its memo and
+        reads it without a lookup by path. None when there is no room (read by path then);
+        Absent or Denied as read()."""
+        fd = self._fds.pop(path, None)
+        self._read_sweep.pop(path, None)
+        if fd is None:
+            if len(self._fds) + len(self._taken) >= self.max_open:
+                return None
+            low, fd = self._open(path)
+            if fd is None:
+                os.close(low)
+                return None
+        self._taken.add(fd)
+        return fd
+
+    def drop(self, fd: int) -> None:
+        """Close a descriptor take() handed out (its task is gone, or its owner forgets it)."""
+        if fd in self._taken:
+            self._taken.discard(fd)
+            os.close(fd)
 
     def sweep(self) -> None:
         """Close the descriptors of files not read during the last `keep` sweeps (threads that
@@ -103,19 +142,20 @@ class ProcFiles:
             os.close(fd)
 
     def __len__(self) -> int:
-        return len(self._fds)
+        return len(self._fds) + len(self._taken)
 
     def close(self) -> None:
         self._finalizer()
 
 
-def _close_all(fds: dict[str, int]) -> None:
-    for fd in fds.values():
+def _close_all(fds: dict[str, int], taken: set[int]) -> None:
+    for fd in [*fds.values(), *taken]:
         try:
             os.close(fd)
         except OSError:
             pass
     fds.clear()
+    taken.clear()
 
 
 class ProcPaths:

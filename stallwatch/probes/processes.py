@@ -159,7 +159,8 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         # thread's children list with the schedstat it was read under.
         self._memos: dict[tuple[int, int], _ThreadMemo] = {}
         self._tid_lists: dict[tuple[int, int], list[int]] = {}
-        self._kids: dict[tuple[int, int], tuple[bytes, list[int]]] = {}
+        # (pid, start) -> (its thread list, their memos in that order): see TreeWalk._rows_of.
+        self._rows: dict[tuple[int, int], tuple[list[int], list[_ThreadMemo]]] = {}
         self._schedstat_ok: bool | None = None
         # Kept descriptors only on the real procfs (its root is inode 1, PROC_ROOT_INO): a
         # fixture tree's files are replaced on disk, and a kept descriptor would read the old.
@@ -329,11 +330,16 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             if tids is None:
                 tids, listed = self._list_tids(st), True
             fds = self._fds(pid, tick)
-            threads, thread = [], self._thread
-            for tid in tids[:limit]:  # the hot loop of a wide job: kept short
-                t = thread(pid, tid, fds, tick)
-                if t is not None:
-                    threads.append(t)
+            rows = tick.rows.get(pid)
+            if rows is not None:  # the tree walk read every thread's schedstat: in a batch
+                threads = self._thread_rows(pid, rows[:limit] if len(rows) > limit else rows,
+                                            fds, tick)
+            else:
+                threads, thread = [], self._thread
+                for tid in tids[:limit]:
+                    t = thread(pid, tid, fds, tick)
+                    if t is not None:
+                        threads.append(t)
             if not listed and len(threads) < min(len(tids), limit):
                 # A remembered thread is gone: the list changed under an unchanged count.
                 tids = self._list_tids(st)
@@ -536,17 +542,17 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             self._kept.release(path)  # a process that left: its kept files go with it
         if len(self._tracks) != self._tick_tracks:
             self._tracks = {k: v for k, v in self._tracks.items() if v.seen_mono == now}
-        if len(self._memos) != tick.memos_seen or len(self._kids) > len(self._memos):
+        if len(self._memos) != tick.memos_seen:
             memos: dict[tuple[int, int], _ThreadMemo] = {}
             for k, m in self._memos.items():
                 if m.seen_mono == now:
                     memos[k] = m
                 else:  # ended, or no longer examined: its kept descriptors go with it
-                    self._kept.release(m.stat_path)
-                    self._kept.release(m.sched_path)
+                    self._forget_memo(m)
             self._memos = memos
-            self._kids = {k: v for k, v in self._kids.items() if k in memos}
+            self._rows = {}  # some held a memo just forgotten: rebuilt from those left
         self._tid_lists = {k: v for k, v in self._tid_lists.items() if k in live}
+        self._rows = {k: v for k, v in self._rows.items() if k in live}
         self._cmdlines = {k: v for k, v in self._cmdlines.items() if (k[0], k[1]) in live}
         self._ranks = {k: v for k, v in self._ranks.items() if k in live}
         with self._lock:

@@ -66,8 +66,11 @@ class _Member:
 
 @dataclass(slots=True)
 class _ThreadMemo:
-    """A thread's last full reading, reused while it provably did not run (see _thread)."""
+    """A thread's last full reading, reused while it provably did not run (see _thread). One
+    object for the thread's life, updated in place: a process's memos, in its thread list's
+    order, are its rows (ProcessesProbe._rows), which the tick walks without a lookup."""
 
+    tid: int
     stat_raw: bytes
     stat: procfs.Stat
     sched_raw: bytes | None  # its schedstat when read; None: not read (running, or no schedstat)
@@ -80,6 +83,15 @@ class _ThreadMemo:
     track: _Track
     stat_path: str
     sched_path: str
+    # Its schedstat descriptor, held (ProcFiles.take) and read by number in the hot loop; -1:
+    # none (no room, no schedstat, or closed: set to -1 in the same step that closes it).
+    sched_fd: int = -1
+    # This tick's schedstat, read by the tree walk: valid when sched_tick is the tick's number.
+    sched_tick: int = -1
+    sched_now: bytes | None = None
+    # Its children list, read under this schedstat: the same while it does not run (TreeWalk).
+    kids_sched: bytes | None = None
+    kids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -91,7 +103,10 @@ class _Tick:
     uptime_s: float | None = None
     # Read by the tree walk at the start of the tick, reused by the thread reads after it.
     tids: dict[int, list[int]] = field(default_factory=dict)
-    sched: dict[tuple[int, int], bytes | None] = field(default_factory=dict)
+    sched: dict[tuple[int, int], bytes | None] = field(default_factory=dict)  # threads with no memo
+    # pid -> its memos, one per listed thread, each with this tick's schedstat (sched_now): the
+    # tree walk read them all through their held descriptors.
+    rows: dict[int, list[_ThreadMemo]] = field(default_factory=dict)
     number: int = 0  # collects before this one: picks the idle threads whose stat is re-read
     memos_seen: int = 0  # thread memos stamped this tick: _forget rebuilds only when some are stale
 

@@ -59,6 +59,7 @@ class ThreadReader:
     _pd: Callable[..., str]
     _has_schedstat: Callable[[int], bool]
     _kept_or_none: Callable[[str], bytes | None]
+    _held_sched: Callable[[_ThreadMemo], bytes | None]
     _optional: Callable[..., Any]
     _kept_parsed: Callable[..., Any]
     _track: Callable[..., Any]
@@ -91,11 +92,15 @@ class ThreadReader:
         collect."""
         key = (pid, tid)
         memo = self._memos.get(key)
-        if memo is not None and memo.sched_raw is not None:
-            # The common case on a wide job, kept short: an idle thread, still idle.
+        sched: bytes | _Unread | None
+        if memo is not None:
+            sched = memo.sched_now if memo.sched_tick == tick.number else _UNREAD
+        else:
             sched = tick.sched.get(key, _UNREAD)
+        if memo is not None and memo.sched_raw is not None:
+            # An idle thread, still idle (a wide job's take this in _thread_rows, in a batch).
             if sched is _UNREAD:
-                sched = self._kept_or_none(memo.sched_path)
+                sched = self._sched_of(memo)
             if sched == memo.sched_raw:
                 if (tid + tick.number) % STAT_EVERY_TICKS:
                     return self._thread_idle(memo, fds, tick)  # its stat is not read
@@ -106,9 +111,9 @@ class ThreadReader:
                 if raw == memo.stat_raw:
                     return self._thread_idle(memo, fds, tick)
         d, now = self._pd(pid, tid), tick.now
-        sched = tick.sched.get(key, _UNREAD)
         if sched is _UNREAD:
-            sched = self._kept_or_none(f"{d}/schedstat") if self._has_schedstat(pid) else None
+            sched = (None if not self._has_schedstat(pid) else self._sched_of(memo)
+                     if memo is not None else self._kept_or_none(f"{d}/schedstat"))
         try:
             raw = self._kept.read(f"{d}/stat")
             status = None if sched is not None else procfs.parse_status(
@@ -174,10 +179,57 @@ class ThreadReader:
             stack=stack, runqueue=runq,
             last_ran_age_s=0.0 if not blocked else self._last_ran_age(ran_up, tick),
         )
-        self._memos[key] = _ThreadMemo(raw, st, sched if blocked else None, ctx, obs, ran_up,
-                                       tuple(denied), now, tr, f"{d}/stat", f"{d}/schedstat")
+        if memo is None or memo.stat.start_ticks != st.start_ticks:
+            # First sight, or another task under a reused tid: what was remembered was not its.
+            if memo is not None:
+                self._forget_memo(memo)
+            memo = self._memos[key] = _ThreadMemo(
+                tid, raw, st, sched if blocked else None, ctx, obs, ran_up, tuple(denied), now,
+                tr, f"{d}/stat", f"{d}/schedstat")
+        else:  # in place: the process's rows hold this object
+            memo.stat_raw, memo.stat, memo.sched_raw, memo.ctx = raw, st, sched if blocked else None, ctx
+            memo.obs, memo.ran_uptime_s, memo.denied = obs, ran_up, tuple(denied)
+            memo.seen_mono, memo.track = now, tr
+        if memo.sched_fd < 0 and sched is not None:
+            try:  # held from now on: the hot loop reads it by number (kernel/procfiles.py)
+                memo.sched_fd = self._kept.take(memo.sched_path) or -1
+            except (Absent, Denied):
+                pass
         tick.memos_seen += 1
         return obs
+
+    def _sched_of(self, memo: _ThreadMemo) -> bytes | None:
+        """A remembered thread's schedstat: through its held descriptor, or by path."""
+        if memo.sched_fd >= 0:
+            return self._held_sched(memo)
+        return self._kept_or_none(memo.sched_path)
+
+    def _forget_memo(self, memo: _ThreadMemo) -> None:
+        """Close what a memo holds: its kept files and its schedstat descriptor."""
+        self._kept.release(memo.stat_path)
+        self._kept.release(memo.sched_path)
+        if memo.sched_fd >= 0:
+            self._kept.drop(memo.sched_fd)
+            memo.sched_fd = -1
+
+    def _thread_rows(self, pid: int, rows: list[_ThreadMemo], fds: dict[int, str] | None,
+                     tick: _Tick) -> list[ThreadObs]:
+        """_thread for each of a process's threads, whose schedstat the tree walk read this tick
+        (`rows`: their memos, in the list's order): an idle thread out of its stat turn is
+        carried over here, with no lookup; any other goes through _thread, which applies every
+        rule above."""
+        out: list[ThreadObs] = []
+        append, thread, idle = out.append, self._thread, self._thread_idle
+        number, every = tick.number, STAT_EVERY_TICKS
+        for m in rows:  # the hot loop of a wide job: kept short
+            if (m.sched_tick == number and m.sched_raw is not None and m.sched_now == m.sched_raw
+                    and (m.tid + number) % every):
+                append(idle(m, fds, tick))
+            else:
+                t = thread(pid, m.tid, fds, tick)
+                if t is not None:
+                    append(t)
+        return out
 
     def _thread_idle(self, memo: _ThreadMemo, fds: dict[int, str] | None,
                      tick: _Tick) -> ThreadObs:
@@ -191,11 +243,9 @@ class ThreadReader:
             tick.denied.update(memo.denied)
         since = now - tr.state_mono
         sc_fd = old.syscall_fd  # the fd table may have changed under it (another thread's close)
-        values = old.__dict__.copy()
-        values["state_since_s"] = since
-        values["d_state_for_s"] = since if old.state == "D" else 0.0
-        values["ctx_unchanged_for_s"] = now - tr.ctx_mono
-        values["cpu_delta_s"] = 0.0
+        values = {**old.__dict__, "state_since_s": since,
+                  "d_state_for_s": since if old.state == "D" else 0.0,
+                  "ctx_unchanged_for_s": now - tr.ctx_mono, "cpu_delta_s": 0.0}
         if sc_fd is not None:
             values["syscall_file"] = fds.get(sc_fd) if fds is not None else None
         if memo.ran_uptime_s is not None:

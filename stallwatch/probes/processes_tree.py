@@ -2,8 +2,8 @@
 descendants, found through the kernel's per-thread `children` lists or a scan of /proc (moved
 out of probes/processes.py as they were).
 
-A mixin of ProcessesProbe: it uses the probe's roots, clock, _paths, _memos, _kids, _tid_lists,
-_kept, _stat_cache, _cmdlines and the target settings that ProcessesProbe.__init__ sets."""
+A mixin of ProcessesProbe: it uses the probe's roots, clock, _paths, _memos, _tid_lists,
+_kept, _rows, _stat_cache, _cmdlines and the target settings that ProcessesProbe.__init__ sets."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import os
 from collections import deque
 import re
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 from stallwatch.kernel import procfs
 from stallwatch.clock import Clock
-from stallwatch.kernel.procfiles import ProcFiles, ProcPaths
+from stallwatch.kernel.procfiles import SCHEDSTAT_LIMIT, ProcFiles, ProcPaths
 from stallwatch.kernel.roots import Absent, Denied, Roots
 from stallwatch.probes.processes_state import _Member, _ThreadMemo, _Tick, uid_of
 
@@ -40,7 +40,7 @@ class TreeWalk:
     _missing: set[int]
     _members: dict[tuple[int, int], _Member]
     _memos: dict[tuple[int, int], _ThreadMemo]
-    _kids: dict[tuple[int, int], tuple[bytes, list[int]]]
+    _rows: dict[tuple[int, int], tuple[list[int], list[_ThreadMemo]]]
     _tid_lists: dict[tuple[int, int], list[int]]
     _cmdlines: dict[tuple[int, int, str], tuple[str, ...]]
     _kept_parsed: Callable[..., Any]
@@ -108,42 +108,106 @@ class TreeWalk:
     def _children_of(self, st: procfs.Stat, tick: _Tick) -> list[int]:
         pid, listed = st.pid, False
         tids = self._cached_tids(st)
+        sched_ok = self._has_schedstat(pid)
+        if tids is not None and sched_ok:
+            rows = self._rows_of(st, tids)
+            if rows is not None:
+                found = self._children_of_rows(pid, rows, tick)
+                if found is not None:
+                    tick.tids[pid], tick.rows[pid] = tids, rows
+                    return found
+                self._rows.pop((pid, st.start_ticks), None)  # a thread is gone: the list below
         if tids is None:
             tids, listed = self._list_tids(st), True
-        sched_ok = self._has_schedstat(pid)
+        number = tick.number
         while True:
             out: list[int] = []
-            memos, kids_memo, read, paths = self._memos, self._kids, self._kept.read, self._paths
-            for tid in tids:  # the hot loop of a wide job: kept short
+            memos, read, paths = self._memos, self._kept.read, self._paths
+            for tid in tids:
                 key = (pid, tid)
                 sched = None
+                m = memos.get(key)
                 if sched_ok:
-                    m = memos.get(key)
-                    try:
-                        sched = read(m.sched_path if m is not None else
-                                     paths.task(pid, tid, "schedstat"))
-                    except (Absent, Denied):
-                        if not listed:
-                            break  # a thread is gone: the list changed, read it again
-                tick.sched[key] = sched
-                memo = kids_memo.get(key)
-                if not listed and sched is not None and memo is not None and memo[0] == sched:
-                    if memo[1]:
-                        out.extend(memo[1])
-                    continue
+                    if m is not None and m.sched_fd >= 0:
+                        sched = self._held_sched(m)
+                    else:
+                        try:
+                            sched = read(paths.task(pid, tid, "schedstat"))
+                        except (Absent, Denied):
+                            pass
+                    if sched is None and not listed:
+                        break  # a thread is gone: the list changed, read it again
+                if m is None:
+                    tick.sched[key] = sched
+                else:
+                    m.sched_tick, m.sched_now = number, sched
+                    if not listed and sched is not None and m.kids_sched == sched:
+                        out.extend(m.kids)
+                        continue
                 try:
                     kids = [int(k) for k in self.roots.read_small(
                         paths.task(pid, tid, "children")).split()]
                 except Absent:
                     continue
-                if sched is not None:
-                    self._kids[(pid, tid)] = (sched, kids)
+                if m is not None and sched is not None:
+                    m.kids_sched, m.kids = sched, kids
                 out.extend(kids)
             else:
                 if listed or sched_ok:  # every thread of a remembered list was read: it holds
                     tick.tids[pid] = tids
                 return out
             tids, listed = self._list_tids(st), True
+
+    def _children_of_rows(self, pid: int, rows: list[_ThreadMemo], tick: _Tick) -> list[int] | None:
+        """_children_of for a process whose every listed thread has a memo holding its schedstat
+        descriptor: the hot loop of a wide job, one pread and one compare a thread. None when a
+        read fails (a thread is gone: the caller lists them again)."""
+        out: list[int] = []
+        number, pread, limit = tick.number, self._kept.pread, SCHEDSTAT_LIMIT
+        for m in rows:
+            try:
+                sched = pread(m.sched_fd, limit, 0)
+            except OSError:
+                return None
+            m.sched_tick, m.sched_now = number, sched
+            if sched == m.kids_sched:
+                if m.kids:
+                    out.extend(m.kids)
+                continue
+            try:
+                kids = [int(k) for k in self.roots.read_small(
+                    self._paths.task(pid, m.tid, "children")).split()]
+            except Absent:
+                continue
+            m.kids_sched, m.kids = sched, kids
+            out.extend(kids)
+        return out
+
+    def _rows_of(self, st: procfs.Stat, tids: list[int]) -> list[_ThreadMemo] | None:
+        """The memos of this thread list, in its order, when every thread has one holding its
+        schedstat descriptor; kept while the list is the same object (re-listing makes a new
+        one) and the memos live (ProcessesProbe._forget clears them all when one goes)."""
+        key = (st.pid, st.start_ticks)
+        hit = self._rows.get(key)
+        if hit is not None and hit[0] is tids:
+            return hit[1]
+        memos, pid = self._memos, st.pid
+        rows = [memos.get((pid, tid)) for tid in tids]
+        if not all(m is not None and m.sched_fd >= 0 for m in rows):
+            return None
+        found = cast("list[_ThreadMemo]", rows)
+        self._rows[key] = (tids, found)
+        return found
+
+    def _held_sched(self, m: _ThreadMemo) -> bytes | None:
+        """A thread's schedstat through the descriptor its memo holds; None when its task is gone
+        (the descriptor is closed then, and the memo told)."""
+        try:
+            return self._kept.pread(m.sched_fd, SCHEDSTAT_LIMIT, 0)
+        except OSError:
+            self._kept.drop(m.sched_fd)
+            m.sched_fd = -1
+            return None
 
     # A process's thread list is re-listed when stat's thread count moves, or when a thread of
     # the remembered list is gone (one ended and another began between two ticks: the count
