@@ -52,6 +52,57 @@ def test_call_many_runs_concurrently_so_stuck_probes_cost_one_deadline():
     assert elapsed < 4 * 0.5  # sequential deadlines would have cost 2 s
 
 
+def test_a_healthy_batch_runs_in_one_lane_thread_in_order() -> None:
+    """One handoff a batch, not one a probe (issue 17): every call of a call_many runs in the
+    same thread, not the caller's, in the order given; and the next batch reuses that thread."""
+    ran: list[tuple[str, threading.Thread]] = []
+    r = DeadlineRunner()
+    for _ in range(2):
+        out = r.call_many([(n, lambda n=n: ran.append((n, threading.current_thread())) or n, 5.0)
+                           for n in ("processes", "log", "outputs")])
+        assert [(v, rep.status) for v, rep in out] == [(n, ProbeStatus.ok) for n in ("processes", "log", "outputs")]
+    assert [n for n, _ in ran] == ["processes", "log", "outputs"] * 2
+    threads = {t for _, t in ran}
+    assert len(threads) == 1 and threading.current_thread() not in threads
+
+
+def test_a_call_stuck_in_the_lane_hands_the_rest_out_and_threads_do_not_pile_up() -> None:
+    """The lane stuck in its first call: the calls after it get a worker each once the batch is
+    late (a quarter of the deadline), return within the deadline, and on the next ticks a new
+    lane runs them while the stuck call is `busy`; the thread count stays flat."""
+    release = threading.Event()
+    stuck_calls = []
+
+    def stuck() -> str:
+        stuck_calls.append(1)
+        release.wait(30)
+        return "late"
+
+    r = DeadlineRunner()
+    batch = [("stuck", stuck, 1.0)] + [(f"p{i}", lambda i=i: i, 1.0) for i in range(3)]
+    counts = []
+    try:
+        t0 = time.monotonic()
+        out = r.call_many(batch)
+        assert time.monotonic() - t0 < 1.0 * 2  # one deadline, not one per call
+        assert out[0][1].status == ProbeStatus.timeout
+        assert [(v, rep.status) for v, rep in out[1:]] == [(i, ProbeStatus.ok) for i in range(3)]
+        # the others returned before the stuck call's deadline passed, not after it
+        assert all(rep.duration_s < 1.0 for _, rep in out[1:]), out
+        for _ in range(4):
+            out = r.call_many(batch)
+            assert out[0][1].status == ProbeStatus.busy
+            assert [(v, rep.status) for v, rep in out[1:]] == [(i, ProbeStatus.ok) for i in range(3)]
+            counts.append(sum(t.name.startswith("probe-") for t in threading.enumerate()))
+        assert len(stuck_calls) == 1 and r.stuck() == ["stuck"]
+        assert counts[-1] <= counts[0], counts
+    finally:
+        release.set()
+    deadline = time.monotonic() + 10
+    while r.call_many(batch)[0][1].status != ProbeStatus.ok:  # it returned: it runs again
+        assert time.monotonic() < deadline, "the stuck call never ran again"
+
+
 def test_a_probe_that_raises_becomes_an_error_report():
     def boom():
         raise ValueError("garbage in /proc")

@@ -211,13 +211,13 @@ def test_dev_shm_on_tmpfs_is_read_inline_and_still_reported(tmp_path: Path, monk
         pytest.skip("/dev/shm is not a tmpfs mount here: it stays in its worker")
     probe = disks.DisksProbe([str(tmp_path)], dev_shm="/dev/shm")
     handed: list[str] = []
-    real = probe._workers.submit
-    monkeypatch.setattr(probe._workers, "submit", lambda name, fn: handed.append(name) or real(name, fn))
+    real = probe._lane.start
+    monkeypatch.setattr(probe._lane, "start", lambda calls: handed.extend(c.name for c in calls) or real(calls))
     try:
         obs = [probe.collect() for _ in range(3)]
     finally:
         probe.close()
-    # The first collect has no mountinfo yet: a worker; then inline. The other path: a worker.
+    # The first collect has no mountinfo yet: a thread; then inline. The other path: a thread.
     assert handed.count("/dev/shm") == 1 and handed.count(str(tmp_path)) == 3, handed
     for o in obs:
         shm, = [u for u in o.paths if u.kind == "dev_shm"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import queue
 import threading
 import traceback
-from concurrent.futures import Future
 from enum import StrEnum
 from typing import Any, Protocol
 
@@ -149,82 +148,181 @@ class Workers:
             w.stop()
 
 
+# A batch not done by this share of its shortest deadline is handed out, a worker per call left.
+HANDOFF_SHARE = 0.25
+
+
+class Call:
+    """One call of a batch: claimed by exactly one thread (the lane, or a worker of its own)."""
+
+    __slots__ = ("name", "fn", "claimed", "done", "value", "error", "started", "finished", "batch")
+
+    def __init__(self, name: str, fn) -> None:
+        self.name, self.fn = name, fn
+        self.claimed = self.done = False
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.started: float | None = None
+        self.finished: float | None = None
+        self.batch: Batch | None = None
+
+
+class Batch:
+    """Calls run one after the other by one lane thread, until the batch is handed out: then
+    each call not yet begun gets a worker of its own (Lane.hand_out), so a call stuck in the
+    kernel delays the others by the handoff, never by its deadline. `all_done` is set when the
+    last call ends, whoever ran it: a healthy batch costs the waiter one wake, not one a call."""
+
+    def __init__(self, calls: list[Call], clock: Clock) -> None:
+        self.calls, self.clock = calls, clock
+        for call in calls:
+            call.batch = self
+        self.all_done = threading.Event()
+        self._lock = threading.Lock()
+        self._left = len(calls)
+        self.lane_in: Call | None = None  # the call the lane thread is inside, if any
+        if not calls:
+            self.all_done.set()
+
+    def claim(self, call: Call, by_lane: bool = False) -> bool:
+        with self._lock:
+            if call.claimed:
+                return False
+            call.claimed = True
+            if by_lane:
+                self.lane_in = call
+            return True
+
+    def run(self, call: Call) -> None:
+        call.started = self.clock.monotonic()
+        try:
+            call.value = call.fn()
+        except BaseException as e:  # noqa: BLE001 - every failure becomes its call's result
+            call.error = e
+        call.finished = self.clock.monotonic()
+        with self._lock:
+            call.done = True
+            if self.lane_in is call:
+                self.lane_in = None  # before all_done: the waiter may hand the lane its next batch
+            self._left -= 1
+            if self._left == 0:
+                self.all_done.set()
+
+    def run_lane(self) -> None:
+        for call in self.calls:
+            if self.claim(call, by_lane=True):
+                self.run(call)
+
+
+class Lane:
+    """One thread that runs each batch's calls in order, and named workers for the calls handed
+    out of a late batch. A lane still inside an earlier batch (stuck in a call) is left to end
+    after it returns; the next batch gets a new lane. Stuck threads never pile up: a stuck
+    call's owner does not start it again until it has returned (`busy`)."""
+
+    def __init__(self, prefix: str, clock: Clock = SYSTEM_CLOCK, idle_s: float = 60.0) -> None:
+        self.prefix, self.clock, self.idle_s = prefix, clock, idle_s
+        self._workers = Workers(prefix, idle_s)
+        self._lane: Worker | None = None
+        self._batch: Batch | None = None
+
+    def start(self, calls: list[Call]) -> Batch:
+        batch = Batch(calls, self.clock)
+        if not calls:
+            return batch
+        if self._lane is not None and self._batch is not None and self._batch.lane_in is not None:
+            self._lane.stop()  # stuck: it ends once its call returns
+            self._lane = None
+        self._batch = batch
+        if self._lane is None or not self._lane.submit(batch.run_lane):
+            self._lane = Worker(f"{self.prefix}lane", self.idle_s)
+            self._lane.submit(batch.run_lane)
+        return batch
+
+    def hand_out(self, batch: Batch) -> None:
+        """Each call the lane has not begun runs now in its own worker."""
+        for call in batch.calls:
+            if batch.claim(call):
+                self._workers.submit(call.name, lambda c=call: batch.run(c))
+
+    def retire(self, keep) -> None:
+        self._workers.retire(keep)
+
+    def wait(self, batch: Batch, handoff_at: float, until: float) -> None:
+        """Wait until every call is done or `until` (the clock's monotonic time), handing the
+        batch out when it is not done by `handoff_at`."""
+        if batch.all_done.wait(max(0.0, min(handoff_at, until) - self.clock.monotonic())):
+            return
+        self.hand_out(batch)
+        batch.all_done.wait(max(0.0, until - self.clock.monotonic()))
+
+
 class DeadlineRunner:
     """Runs probe calls in daemon threads with a deadline.
 
     A thread stuck in the kernel (statvfs on a frozen filesystem, NVML in a wedged driver) cannot
     be cancelled. We abandon it, report `timeout`, and refuse to start a second call of the same
-    probe while the first is still stuck (`busy`), so stuck threads never pile up. Each probe's
-    thread is kept between ticks (Worker).
+    probe while the first is still stuck (`busy`), so stuck threads never pile up. The calls of
+    one `call_many` run one after the other in one lane thread (Lane): a handoff to a thread costs
+    more than most probes' work (issue 17); a batch late by HANDOFF_SHARE of its shortest deadline
+    gives each call not yet begun a worker of its own, so one frozen filesystem that stalls three
+    probes still costs one deadline, not three.
     """
 
     def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
         self._clock = clock
-        self._inflight: dict[str, Future] = {}
+        self._inflight: dict[str, Call] = {}
         self._lock = threading.Lock()
-        self._workers = Workers("probe-")
+        self._lane = Lane("probe-", clock)
 
     def stuck(self) -> list[str]:
         with self._lock:
-            return [k for k, f in self._inflight.items() if not f.done()]
+            return [k for k, c in self._inflight.items() if not c.done]
 
     def call(self, name: str, fn, deadline_s: float) -> tuple[Any, ProbeReport]:
         return self.call_many([(name, fn, deadline_s)])[0]
 
     def call_many(self, calls: list[tuple[str, Any, float]]) -> list[tuple[Any, ProbeReport]]:
-        """Start every call at once, then collect each by its own deadline.
-
-        Concurrent, so one frozen filesystem that stalls three probes costs one deadline, not three.
-        """
+        """Run the calls in one batch, then take each by its own deadline (from now)."""
         t0 = self._clock.monotonic()
-        started: list[tuple[str, Future | None, float]] = []
-        for name, fn, deadline_s in calls:
-            started.append((name, self._start(name, fn), deadline_s))
-        out: list[tuple[Any, ProbeReport]] = []
-        for name, fut, deadline_s in started:
-            if fut is None:
-                out.append((None, ProbeReport(
-                    name=name, status=ProbeStatus.busy, duration_s=0.0,
-                    error=f"previous call of {name} still has not returned",
-                )))
-                continue
-            remaining = max(0.0, t0 + deadline_s - self._clock.monotonic())
-            # The probe's own failure is read, not raised (fut.exception): what is raised while
-            # this thread waits is the caller's, never the probe's. A KeyboardInterrupt (Ctrl-C,
-            # or the SIGINT that stops `stallwatch record`) lands here in most of a loaded tick,
-            # and used to be filed as the probe's error report: the recorder did not stop.
-            try:
-                failure = fut.exception(timeout=remaining)
-            except TimeoutError:
-                out.append((None, ProbeReport(
-                    name=name, status=ProbeStatus.timeout, duration_s=self._clock.monotonic() - t0,
-                    error=f"{name} did not return within {deadline_s:g} s",
-                )))
-                continue
-            if failure is not None:  # every failure of a probe becomes its report
-                out.append((None, report_for_exception(name, failure, self._clock.monotonic() - t0)))
-                continue
-            value = fut.result()
-            out.append((value, ProbeReport(name=name, status=ProbeStatus.ok,
-                                           duration_s=self._clock.monotonic() - t0)))
-        return out
-
-    def _start(self, name: str, fn) -> Future | None:
+        started: list[tuple[str, Call | None, float]] = []
         with self._lock:
-            prev = self._inflight.get(name)
-            if prev is not None and not prev.done():
-                return None
-            fut: Future = Future()
-            self._inflight[name] = fut
+            for name, fn, deadline_s in calls:
+                prev = self._inflight.get(name)
+                call = None if prev is not None and not prev.done else Call(name, fn)
+                if call is not None:
+                    self._inflight[name] = call
+                started.append((name, call, deadline_s))
+        batch = self._lane.start([c for _, c, _ in started if c is not None])
+        in_time: list[bool] = [False] * len(started)
+        if started:
+            shortest = min(d for _, _, d in started)
+            # What is raised while this thread waits (a KeyboardInterrupt: Ctrl-C, or the SIGINT
+            # that stops `stallwatch record`) is the caller's and propagates; a probe's own
+            # failure is its call's `error`, read in _report.
+            self._lane.wait(batch, t0 + HANDOFF_SHARE * shortest, t0 + shortest)
+            for deadline_s in sorted({d for _, _, d in started}):  # each call, at its deadline
+                if deadline_s > shortest:
+                    batch.all_done.wait(max(0.0, t0 + deadline_s - self._clock.monotonic()))
+                for i, (_, call, d) in enumerate(started):
+                    if d == deadline_s:
+                        in_time[i] = call is not None and call.done
+        return [self._report(name, call, deadline_s, t0, done)
+                for (name, call, deadline_s), done in zip(started, in_time, strict=True)]
 
-        def work() -> None:
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - every failure becomes a report
-                fut.set_exception(e)
-
-        self._workers.submit(name, work)
-        return fut
+    def _report(self, name: str, call: Call | None, deadline_s: float, t0: float,
+                in_time: bool) -> tuple[Any, ProbeReport]:
+        if call is None:
+            return None, ProbeReport(name=name, status=ProbeStatus.busy, duration_s=0.0,
+                                     error=f"previous call of {name} still has not returned")
+        if not in_time:
+            return None, ProbeReport(name=name, status=ProbeStatus.timeout,
+                                     duration_s=self._clock.monotonic() - t0,
+                                     error=f"{name} did not return within {deadline_s:g} s")
+        duration_s = (call.finished or t0) - t0
+        if call.error is not None:  # every failure of a probe becomes its report
+            return None, report_for_exception(name, call.error, duration_s)
+        return call.value, ProbeReport(name=name, status=ProbeStatus.ok, duration_s=duration_s)
 
 
 def report_for_observation(report: ProbeReport, value: object) -> ProbeReport:

@@ -13,7 +13,6 @@ import os
 import posixpath
 import select
 import time
-from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any, Literal
 from collections.abc import Callable
@@ -26,7 +25,7 @@ from stallwatch.kernel.diskfs import (
     parse_diskstats, parse_mountinfo, path_in_filesystem,
 )
 from stallwatch.model import Frozen
-from stallwatch.probes.base import ProbeStatus, Workers
+from stallwatch.probes.base import HANDOFF_SHARE, Batch, Call, Lane, ProbeStatus
 from stallwatch.kernel.roots import DEFAULT_ROOTS, Absent, Denied, Roots
 
 SHM_PREFIXES = ("sgl_shm",)  # SGLang's leaked sgl_shm_mm_* segments filled /dev/shm (#40723)
@@ -39,6 +38,9 @@ _SHM_LIST_LIMIT = 100_000  # a runaway leak must not turn one listing into a mem
 SHM_RELIST_S = 30.0
 SHM_RACY_NS = 1_000_000_000
 DEVICE_TTL_S = 60.0  # a mount's block device (loop backing file, dm name, slaves) is re-read this often
+# A path's realpath is reused while statvfs of the path names the same filesystem (f_fsid), for
+# at most this long (issue 17: a walk of lstat calls a path a tick, more than its statvfs).
+RESOLVE_TTL_S = 10.0
 
 
 class BlockDeviceIO(Frozen):
@@ -103,13 +105,6 @@ class _FsFacts:
     shm: tuple[int, int, int] | None = None  # (all entries, sgl entries, sgl bytes)
 
 
-@dataclass
-class _Call:
-    future: Future
-    started: float
-    finished: float | None = None
-
-
 class DisksProbe:
     name = "disks"
 
@@ -133,8 +128,10 @@ class DisksProbe:
         self.dev_shm = dev_shm
         self.mountinfo_pid = mountinfo_pid
         self._statvfs = statvfs
-        self._calls: dict[str, _Call] = {}
-        self._workers = Workers("statvfs:")  # one long-lived thread per path, not one per call
+        self._calls: dict[str, tuple[Call, float]] = {}  # path -> its last call, when queued
+        # One lane thread for all paths, one after the other; a path the lane has not reached
+        # when it is late gets a thread of its own (base.Lane): one handoff a tick, not one a path.
+        self._lane = Lane("statvfs:", clock)
         # mountinfo rarely changes: its parse, and the sysfs walk to each mount's block device,
         # are reused while its text stays the same (the devices for at most DEVICE_TTL_S).
         self._mi_text: str | None = None
@@ -152,6 +149,9 @@ class DisksProbe:
         self._stuck_since: dict[str, float] = {}
         # /dev/shm's (dev, ino, mtime_ns), when it was listed (wall ns) and what it held.
         self._shm_seen: tuple[tuple[int, int, int], int, tuple[int, int, int]] | None = None
+        # path -> (its realpath, the f_fsid statvfs gave, when resolved); each path's own call
+        # reads and writes its entry, and one path has one call at a time.
+        self._resolved: dict[str, tuple[str, int, float]] = {}
 
     # -- the tick ------------------------------------------------------------------------------
 
@@ -162,13 +162,21 @@ class DisksProbe:
         if self.dev_shm and self.dev_shm not in self.paths:
             targets.append((self.dev_shm, "dev_shm"))
         # Start the filesystem calls first so their deadline overlaps the /proc work.
-        calls = {p: self._start(p, kind == "dev_shm") for p, kind in targets}
-        self._workers.retire(calls)
+        fresh: list[Call] = []
+        calls = {p: self._start(p, kind == "dev_shm", tick_start, fresh) for p, kind in targets}
+        batch = self._lane.start(fresh)
+        self._lane.retire(calls)
 
         mounts, mountinfo_status = self._mountinfo(errors)
         stats, diskstats_status = self._diskstats(errors)
 
-        wait([c.future for c in calls.values()], timeout=self.statvfs_deadline_s)
+        until = tick_start + self.statvfs_deadline_s
+        self._lane.wait(batch, tick_start + HANDOFF_SHARE * self.statvfs_deadline_s, until)
+        # A call stuck since an earlier tick is waited for too (a mount that answers again, or
+        # fails at last, is seen this tick), never started again.
+        for call, _ in calls.values():
+            if not call.done and call.batch is not None and call.batch is not batch:
+                call.batch.all_done.wait(max(0.0, until - self.clock.monotonic()))
         now = self.clock.monotonic()
         paths = [self._path_entry(p, kind, calls[p], mounts, tick_start, now) for p, kind in targets]
         # /dev/shm is reported only where it exists (some containers have none).
@@ -284,28 +292,17 @@ class DisksProbe:
 
     # -- filesystem calls (may hang) -----------------------------------------------------------
 
-    def _start(self, path: str, is_shm: bool) -> _Call:
+    def _start(self, path: str, is_shm: bool, tick_start: float, fresh: list[Call]) -> tuple[Call, float]:
         prev = self._calls.get(path)
-        if prev is not None and not prev.future.done():
-            return prev  # still stuck from an earlier tick: wait on it again, never start a second
-        call = _Call(Future(), self.clock.monotonic())
-
-        def work() -> None:
-            try:
-                facts = self._inspect(path, is_shm)
-            except BaseException as e:  # noqa: BLE001 - the result carries the failure
-                call.finished = self.clock.monotonic()
-                call.future.set_exception(e)
-            else:
-                call.finished = self.clock.monotonic()
-                call.future.set_result(facts)
-
-        self._calls[path] = call
+        if prev is not None and not prev[0].done:
+            return prev  # still stuck from an earlier tick: never start a second
+        call = Call(path, lambda: self._inspect(path, is_shm))
+        self._calls[path] = (call, tick_start)
         if is_shm and self._in_memory(path):
-            work()  # tmpfs: kernel memory, cannot block; no worker handoff (issue 17)
+            Batch([call], self.clock).run(call)  # tmpfs: kernel memory, cannot block; no handoff (issue 17)
         else:
-            self._workers.submit(path, work)
-        return call
+            fresh.append(call)
+        return call, tick_start
 
     def _in_memory(self, path: str) -> bool:
         """`path` is itself a tmpfs mount point in our own namespace (mountinfo as last read): its
@@ -317,6 +314,18 @@ class DisksProbe:
         return m is not None and m.mount_point == path and m.fs_type == "tmpfs"
 
     def _inspect(self, path: str, is_shm: bool) -> _FsFacts:
+        hit = self._resolved.get(path)
+        if hit is not None and self.clock.monotonic() - hit[2] < RESOLVE_TTL_S:
+            # statvfs resolves the path as realpath would (the same links, followed by the
+            # kernel); the realpath string is only reused while that lands on the same filesystem.
+            try:
+                st = self._statvfs(path)
+            except FileNotFoundError:
+                st = None  # gone: the walk below finds its nearest parent
+            if st is not None and getattr(st, "f_fsid", None) == hit[1]:
+                shm = self._shm_counts(hit[0]) if is_shm else None
+                return _FsFacts(resolved=hit[0], exists=True, st=st, shm=shm)
+            self._resolved.pop(path, None)
         resolved = os.path.realpath(path)
         probe_at, exists = resolved, True
         while True:
@@ -333,6 +342,11 @@ class DisksProbe:
                     raise
                 probe_at = parent
         shm = self._shm_counts(resolved) if is_shm and exists else None
+        fsid = getattr(st, "f_fsid", None)
+        if exists and fsid:  # 0 or None: a filesystem (or a fake) that names none
+            if len(self._resolved) > 256:  # paths come from the job's open files: bounded
+                self._resolved.clear()
+            self._resolved[path] = (resolved, fsid, self.clock.monotonic())
         return _FsFacts(resolved=probe_at if not exists else resolved, exists=exists, st=st, shm=shm)
 
     def _shm_counts(self, path: str) -> tuple[int, int, int]:
@@ -349,24 +363,25 @@ class DisksProbe:
         self._shm_seen = (ident, now_ns, counts) if trusted else None
         return counts
 
-    def _path_entry(self, path: str, kind: str, call: _Call, mounts: list[MountInfo],
+    def _path_entry(self, path: str, kind: str, queued: tuple[Call, float], mounts: list[MountInfo],
                     tick_start: float, now: float) -> PathUsage:
+        call, queued_at = queued
         facts: _FsFacts | None = None
         status, detail = ProbeStatus.ok, None
-        age = now - call.started
-        if not call.future.done():
-            status = ProbeStatus.busy if call.started < tick_start else ProbeStatus.timeout
-        else:
-            try:
-                facts = call.future.result()
-            except FileNotFoundError as e:
-                status, detail = ProbeStatus.absent, f"{path}: {e.strerror}"
-            except PermissionError as e:
-                status, detail = ProbeStatus.denied, f"statvfs on {path}: {e.strerror}"
-            except OSError as e:  # ENOTCONN/ESTALE/EIO: a dead network or fuse mount says so
-                status, detail = ProbeStatus.error, f"statvfs on {path} failed: {e.strerror or e}"
-            except Exception as e:  # noqa: BLE001 - one odd path must not cost the whole probe
-                status, detail = ProbeStatus.error, f"statvfs on {path} failed: {type(e).__name__}: {e}"
+        age = now - queued_at
+        e = call.error
+        if not call.done:
+            status = ProbeStatus.busy if queued_at < tick_start else ProbeStatus.timeout
+        elif e is None:
+            facts = call.value
+        elif isinstance(e, FileNotFoundError):
+            status, detail = ProbeStatus.absent, f"{path}: {e.strerror}"
+        elif isinstance(e, PermissionError):
+            status, detail = ProbeStatus.denied, f"statvfs on {path}: {e.strerror}"
+        elif isinstance(e, OSError):  # ENOTCONN/ESTALE/EIO: a dead network or fuse mount says so
+            status, detail = ProbeStatus.error, f"statvfs on {path} failed: {e.strerror or e}"
+        else:  # one odd path must not cost the whole probe
+            status, detail = ProbeStatus.error, f"statvfs on {path} failed: {type(e).__name__}: {e}"
 
         resolved = facts.resolved if facts else path
         mount = self._mount_for(mounts, resolved)
@@ -384,7 +399,7 @@ class DisksProbe:
         )
         if facts is not None:
             entry.update(_space(facts.st), exists=facts.exists, resolved_path=facts.resolved,
-                         statvfs_latency_s=max(0.0, (call.finished or now) - call.started))
+                         statvfs_latency_s=max(0.0, (call.finished or now) - (call.started or queued_at)))
             if facts.shm is not None:
                 entry.update(zip(("shm_segments", "sgl_shm_segments", "sgl_shm_bytes"), facts.shm, strict=True))
         return PathUsage(**entry)
