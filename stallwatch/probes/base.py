@@ -170,19 +170,33 @@ class Call:
 class Batch:
     """Calls run one after the other by one lane thread, until the batch is handed out: then
     each call not yet begun gets a worker of its own (Lane.hand_out), so a call stuck in the
-    kernel delays the others by the handoff, never by its deadline. `all_done` is set when the
+    kernel delays the others by the handoff, never by its deadline. The batch is done when the
     last call ends, whoever ran it: a healthy batch costs the waiter one wake, not one a call."""
 
     def __init__(self, calls: list[Call], clock: Clock) -> None:
         self.calls, self.clock = calls, clock
         for call in calls:
             call.batch = self
-        self.all_done = threading.Event()
         self._lock = threading.Lock()
+        # Held until the last call ends: a bare lock is the cheapest thing to wait on (an Event
+        # makes a Condition and a lock per wait).
+        self._pending = threading.Lock()
         self._left = len(calls)
         self.lane_in: Call | None = None  # the call the lane thread is inside, if any
-        if not calls:
-            self.all_done.set()
+        if calls:
+            self._pending.acquire()
+
+    def done(self) -> bool:
+        return self._left == 0
+
+    def wait(self, timeout_s: float) -> bool:
+        """True once every call has ended; False when `timeout_s` passed first."""
+        if self._left == 0:
+            return True
+        if not self._pending.acquire(timeout=max(0.0, timeout_s)):
+            return False
+        self._pending.release()  # for the next waiter
+        return True
 
     def claim(self, call: Call, by_lane: bool = False) -> bool:
         with self._lock:
@@ -203,10 +217,10 @@ class Batch:
         with self._lock:
             call.done = True
             if self.lane_in is call:
-                self.lane_in = None  # before all_done: the waiter may hand the lane its next batch
+                self.lane_in = None  # before the batch is done: the waiter may hand the lane the next
             self._left -= 1
             if self._left == 0:
-                self.all_done.set()
+                self._pending.release()
 
     def run_lane(self) -> None:
         for call in self.calls:
@@ -251,10 +265,10 @@ class Lane:
     def wait(self, batch: Batch, handoff_at: float, until: float) -> None:
         """Wait until every call is done or `until` (the clock's monotonic time), handing the
         batch out when it is not done by `handoff_at`."""
-        if batch.all_done.wait(max(0.0, min(handoff_at, until) - self.clock.monotonic())):
+        if batch.wait(min(handoff_at, until) - self.clock.monotonic()):
             return
         self.hand_out(batch)
-        batch.all_done.wait(max(0.0, until - self.clock.monotonic()))
+        batch.wait(until - self.clock.monotonic())
 
 
 class DeadlineRunner:
@@ -303,7 +317,7 @@ class DeadlineRunner:
             self._lane.wait(batch, t0 + HANDOFF_SHARE * shortest, t0 + shortest)
             for deadline_s in sorted({d for _, _, d in started}):  # each call, at its deadline
                 if deadline_s > shortest:
-                    batch.all_done.wait(max(0.0, t0 + deadline_s - self._clock.monotonic()))
+                    batch.wait(t0 + deadline_s - self._clock.monotonic())
                 for i, (_, call, d) in enumerate(started):
                     if d == deadline_s:
                         in_time[i] = call is not None and call.done

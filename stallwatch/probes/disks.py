@@ -176,7 +176,7 @@ class DisksProbe:
         # fails at last, is seen this tick), never started again.
         for call, _ in calls.values():
             if not call.done and call.batch is not None and call.batch is not batch:
-                call.batch.all_done.wait(max(0.0, until - self.clock.monotonic()))
+                call.batch.wait(until - self.clock.monotonic())
         now = self.clock.monotonic()
         paths = [self._path_entry(p, kind, calls[p], mounts, tick_start, now) for p, kind in targets]
         # /dev/shm is reported only where it exists (some containers have none).
