@@ -4,6 +4,7 @@ to the server (features.py assembles the parts)."""
 from __future__ import annotations
 
 import signal as _signal
+from collections import Counter
 from typing import Any
 
 from stallwatch.probes.processes import ProcessObs, ThreadObs
@@ -87,16 +88,20 @@ def _thread_dict(p: ProcessObs, t: ThreadObs) -> dict[str, Any]:
     }
 
 
+def _state_of(pt: tuple[ProcessObs, ThreadObs]) -> str:
+    return pt[1].state
+
+
 def _quiet(ctx_unchanged_for_s: float, last_ran_age_s: float | None) -> float:
     """How long the task has not run: what we watched, or what the scheduler remembers."""
     return max(ctx_unchanged_for_s, last_ran_age_s or 0.0)
 
 
 def _proc(procs: list[ProcessObs], threads: list[tuple[ProcessObs, ThreadObs]]) -> dict[str, Any]:
-    states: dict[str, int] = {}
-    for _, t in threads:
-        states[t.state] = states.get(t.state, 0) + 1
-    d = [(p, t) for p, t in threads if t.state == "D"]
+    # A wide job has a thousand threads, nearly all asleep: one count in C over them all, and a
+    # pass in Python only over the D (and R, for spinning) ones, when there are any.
+    states: dict[str, int] = dict(Counter(map(_state_of, threads)))
+    d = [(p, t) for p, t in threads if t.state == "D"] if "D" in states else []
     def stuck(pt: tuple[ProcessObs, ThreadObs]) -> float:
         return _quiet(pt[1].ctx_unchanged_for_s, pt[1].last_ran_age_s)
 
@@ -112,7 +117,9 @@ def _proc(procs: list[ProcessObs], threads: list[tuple[ProcessObs, ThreadObs]]) 
     # in a one-shot diagnosis, where we have watched for a few seconds only.
     quiet = min((_quiet(p.ctx_unchanged_for_s, p.last_ran_age_s) for p in live), default=0.0)
     main = next(((p, t) for p, t in threads if p.role == "target" and t.tid == p.pid), None)
-    spin = spinning(threads)
+    # Only a thread in R can be spinning: runqueue.step ends a stretch (samples 0) at any other
+    # state, and a thread off the run queue is never carried over with a stretch of its own.
+    spin = spinning([pt for pt in threads if pt[1].state == "R"]) if "R" in states else []
     return {
         "count": len(procs),
         "threads": len(threads),
