@@ -219,16 +219,23 @@ class ThreadReader:
         carried over here, with no lookup; any other goes through _thread, which applies every
         rule above."""
         out: list[ThreadObs] = []
-        append, thread, idle = out.append, self._thread, self._thread_idle
+        append, thread, idle, read = out.append, self._thread, self._thread_idle, self._kept.read
         number, every = tick.number, STAT_EVERY_TICKS
         for m in rows:  # the hot loop of a wide job: kept short
-            if (m.sched_tick == number and m.sched_raw is not None and m.sched_now == m.sched_raw
-                    and (m.tid + number) % every):
-                append(idle(m, fds, tick))
-            else:
-                t = thread(pid, m.tid, fds, tick)
-                if t is not None:
-                    append(t)
+            if m.sched_tick == number and m.sched_raw is not None and m.sched_now == m.sched_raw:
+                if (m.tid + number) % every:
+                    append(idle(m, fds, tick))
+                    continue
+                try:  # its turn: its stat too (a wake-up not yet on a CPU, a comm renamed)
+                    same = read(m.stat_path) == m.stat_raw
+                except (Absent, Denied):
+                    continue  # gone since the walk
+                if same:
+                    append(idle(m, fds, tick))
+                    continue
+            t = thread(pid, m.tid, fds, tick)
+            if t is not None:
+                append(t)
         return out
 
     def _thread_idle(self, memo: _ThreadMemo, fds: dict[int, str] | None,
