@@ -6,6 +6,9 @@ its own thread, and the runner then takes their results in order (processes, gpu
 each probe's `duration_s` is the time from the tick's start until its result was taken. So the
 gpu probe's figure is an UPPER BOUND on the NVML work (it cannot be less than the processes
 probe's, taken before it), and `gpu - processes` is how much longer the tick waited for the GPU.
+(Traces recorded since the runner's lane, issue 17, read more exactly: the probes run one after
+the other in that order, `duration_s` runs until each call ended, so `gpu - processes` is the
+NVML work itself, unless the batch was late and handed out.)
 """
 
 from __future__ import annotations
