@@ -271,14 +271,20 @@ def test_exit_fault_takes_the_whole_server_down(tmp_path):
     with launch_server([*TINY, "--fault", "exit", "--fault-after-requests", "1"], log=str(log)) as s:
         try:
             s.generate([1, 2, 3])
-        except (http.client.RemoteDisconnected, ConnectionError):
+        except (http.client.HTTPException, ConnectionError):
             # The fault fires once this request has finished in the scheduler; the tree can be
-            # killed before the front has written its answer (upstream too): on a loaded
-            # machine the client then sees the connection close.
+            # killed before or while the front writes its answer (upstream too): on a loaded
+            # machine the client then sees the connection close before the status line
+            # (RemoteDisconnected) or between the headers and the body (IncompleteRead: 1 in
+            # 300 runs beside three CPU hogs).
             pass
         s.proc.wait(timeout=15)
         assert s.proc.returncode == -signal.SIGKILL  # SGLang's kill_process_tree kills itself too
-        assert log_has(s, "SIGQUIT received. signum=3, frame=")
+        # The scheduler's SIGQUIT runs the handler (signum=3), unless the front's main thread
+        # is starved past the SubprocessWatchdog's next 1 s poll: then the watchdog, having seen
+        # the dead scheduler, runs the same handler first (signum=None), as upstream would.
+        assert log_has(s, "SIGQUIT received. signum=3, frame=") or (
+            log_has(s, "Subprocess scheduler_0 (pid=") and log_has(s, "SIGQUIT received. signum=None"))
         with pytest.raises(ConnectionRefusedError):
             s.request("/health", timeout=2)
 
