@@ -171,7 +171,12 @@ def test_daemon_on_a_corrupt_database_keeps_watching_and_says_so(h: Harness) -> 
 
 def test_corrupt_database_under_a_running_job_adopts_it_never_a_second_copy(
         h: Harness, tmp_path: Path) -> None:
-    h.write_config(["--count", "60", "--interval", "0.1"], job="max_restarts = 2")
+    # The job waits after its 5th sample until the second daemon has adopted it: on a loaded
+    # machine that daemon's start-up alone can outlast the job's remaining seconds (an import
+    # of 10 s beside three CPU hogs), and a job that has finished is not adopted.
+    go = tmp_path / "adopted"
+    h.write_config(["--count", "60", "--interval", "0.1", "--hold-at", "5",
+                    "--hold-until", str(go)], job="max_restarts = 2")
     first = h.start()
     wait_until(lambda: h.phase() == "running", 30, "the job to run")
     wait_until(lambda: h.log.exists() and "5/60" in h.log.read_text(), 30, "progress")
@@ -182,6 +187,7 @@ def test_corrupt_database_under_a_running_job_adopts_it_never_a_second_copy(
     second = h.start()
     h.wait_log(rf"run 1 \(pid {pid}\) is alive: adopted", 30)
     h.wait_log(rf"re-attached to pid {pid} ", 30)
+    go.touch()
     deadline = time.monotonic() + 60
     while h.phase() != "finished":
         assert [w[0] for w in scan_writers(str(h.out))] in ([pid], []), "a second writer"

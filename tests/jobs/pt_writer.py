@@ -8,6 +8,7 @@ stopped mid-file leaves a truncated file without its central directory.
 
     python pt_writer.py --out DIR --count N [--interval S] [--size BYTES]
         [--deadlock-at I] [--crash-at I] [--crash-always] [--once MARKER] [--chunks K]
+        [--hold-at I --hold-until PATH]
 
 Faults:
     --deadlock-at I   half-way through writing file I: flush, then deadlock (two threads, two
@@ -16,6 +17,9 @@ Faults:
     --crash-always    crash right after start, before writing anything
     --once MARKER     a fault fires only if MARKER does not exist, and creates it when it fires
                       (so the resumed job does not walk into it again)
+
+A gate for tests that must act while the job still runs, whatever the machine's load:
+    --hold-at I --hold-until PATH   before writing sample I, wait until PATH exists
 """
 
 from __future__ import annotations
@@ -81,6 +85,8 @@ def main() -> int:
     ap.add_argument("--once", default=None)
     ap.add_argument("--crash-after-s", type=float, default=None,
                     help="every run crashes this long after it starts (after real progress)")
+    ap.add_argument("--hold-at", type=int, default=None)
+    ap.add_argument("--hold-until", default=None)
     args = ap.parse_args()
     started = time.monotonic()
 
@@ -92,6 +98,9 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     skipped = 0
     for i in range(args.count):
+        if i == args.hold_at and args.hold_until:
+            while not os.path.exists(args.hold_until):
+                time.sleep(0.05)
         path = os.path.join(args.out, f"data_{i}.pt")
         if os.path.exists(path):
             skipped += 1  # resume: an existing file counts as done, whole or not (the hazard)
