@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from stallwatch.engine import diagnose
 from stallwatch.engine import Evaluator, RuleSet, Vars, load_rules
-from stallwatch.engine.inputs import paths, pick
-from stallwatch.engine.expr import compile_expr
+from stallwatch.engine.inputs import paths, pick, unchanged
+from stallwatch.engine.expr import compile_expr, normalise, renormalise
 
 RULES = """
 [[rule]]
@@ -179,3 +179,99 @@ def test_the_default_rules_on_recorded_ticks_agree_with_every_rule_every_tick(tr
         _same(a, full.evaluate(Vars(v), s.t_mono))
         kinds.add(a.verdict.kind)
     assert kinds - {"unknown"}, kinds  # the trace does get a verdict
+
+
+# ------------------------------------------------------------ what did not change (renormalise)
+
+_leaf = st.one_of(st.none(), st.booleans(), st.integers(-2, 2), st.sampled_from([0.0, 1.0, 2.5]),
+                  st.sampled_from(["a", "b", "é"]))
+_tree = st.recursive(_leaf, lambda kids: st.one_of(
+    st.lists(kids, max_size=3), st.tuples(kids), st.dictionaries(st.sampled_from("xyz"), kids,
+                                                                  max_size=3)), max_leaves=8)
+_vars = st.dictionaries(st.sampled_from(["job", "log", "proc", "now"]), _tree, max_size=4)
+
+
+def _typed(x):
+    """x with every value's type spelled out: `==` alone takes True for 1.0."""
+    if isinstance(x, dict):
+        return {k: _typed(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_typed(v) for v in x]
+    return (type(x).__name__, x)
+
+
+def _leaves(x, path=()):
+    if isinstance(x, dict) and x:
+        for k, v in x.items():
+            yield from _leaves(v, (*path, k))
+    else:
+        yield path
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=_vars, b=_vars)
+def test_renormalise_is_normalise_and_says_only_what_is_unchanged(a, b) -> None:
+    odd: list[type] = []
+    prev = normalise(a, odd)
+    got, same = renormalise(b, prev, odd)
+    assert not odd
+    assert _typed(got) == _typed(normalise(b))
+    # every path `same` says is unchanged reads the same slice in both (what the memo compares)
+    for path in _leaves(b):
+        trie: dict = {}
+        node = trie
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        if path:
+            node[path[-1]] = None
+        if trie and unchanged(trie, same):
+            assert pick(got, trie) == pick(prev, trie), path
+    # and what is unchanged is reused as it is, not copied
+    for key, below in same.items():
+        if below is None and isinstance(got[key], (dict, list)):
+            assert got[key] is prev[key]
+
+
+deep = st.lists(st.fixed_dictionaries({
+    "dt": st.sampled_from([0.5, 1.0]),
+    "idle": st.sampled_from([0, 4, 6]),
+    "d": st.sampled_from([{"state": "D", "n": 1}, {"state": "S", "n": 1}, {"state": "D"}, [1],
+                          None]),
+    "extra": st.sampled_from([None, {"k": 1}, {"k": 2}]),
+    "pid": st.sampled_from([10, 11, True]),
+}), min_size=1, max_size=30)
+
+DEEP = """
+[[rule]]
+name = "deep"
+kind = "io_stall"
+condition = "proc.main.thread.state == 'D' && log.idle_s > 3"
+for = "1s"
+summary = "{proc.main.thread.n} in D, pid {job.pid}"
+
+[[rule]]
+name = "has"
+kind = "slow"
+condition = "has(job.extra) && job.extra.k > 1"
+summary = "extra {job.extra.k}"
+labels = { k = "{string(job.extra.k)}" }
+"""
+
+
+@settings(max_examples=150, deadline=None)
+@given(timeline=deep)
+def test_values_that_come_go_and_change_type_below_the_top_change_nothing(tmp_path_factory,
+                                                                           timeline) -> None:
+    """Three levels deep, keys that appear and go, a dict that becomes a list or null: the
+    evaluator that reuses what did not change agrees with every rule evaluated every tick."""
+    rules = _rules(tmp_path_factory.mktemp("r"), DEEP)
+    cached, full = Evaluator(rules, resolved_retention_s=5), Evaluator(rules, resolved_retention_s=5)
+    t = 0.0
+    for s in timeline:
+        t += s["dt"]
+        job = {"alive": True, "comm": "a", "pid": s["pid"], "noise": 0}
+        if s["extra"] is not None:
+            job["extra"] = s["extra"]
+        data = {"job": job, "log": {"idle_s": s["idle"], "other": 0},
+                "proc": {"threads": [], "main": {"thread": s["d"]}}}
+        _same(cached.evaluate(data, t), full.evaluate(Vars(data), t))

@@ -256,3 +256,18 @@ def test_a_command_option_is_split_as_a_shell_would_and_refused_when_empty_or_un
                                                         "argv": ["notify-send", "a b"]}
     with pytest.raises(UsageError, match="--alert command=ARGV: the command is missing"):
         alert_table("command=")
+
+
+def test_the_saved_history_json_is_the_window_of_docs_made_once_per_sample() -> None:
+    import json
+
+    h = History(keep=50)
+    assert h.docs_json(300.0) == "[]" and h.added == 0
+    for i in range(80):  # past `keep`: the oldest are dropped from both
+        h.add(Sample(t=100.0 + i * 2, done=float(i), io_bytes=None if i % 3 else 4096.0 * i))
+    h.add(Sample(t=100.0, done=1.0))  # a step back: not added, `added` says nothing new
+    assert h.added == 80
+    for window in (None, 0.0, 7.0, 30.0, 1e9):
+        assert h.docs_json(window) == json.dumps(h.docs(window))
+        assert [d["t"] for d in h.docs(window)] == [s.t for s in h.samples
+                                                    if window is None or s.t >= 258.0 - window]

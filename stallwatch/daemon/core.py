@@ -102,6 +102,7 @@ class Daemon:
         self._old_wakeup: int | None = None
         self.ticks = 0
         self.tick_errors = 0
+        self._alerts_row: str | None = None  # the `alerts` meta row as last written
         self.started = threading.Event()  # set after the first tick (tests wait on it)
         self._metrics: Any = None
         self._job_errors: dict[str, tuple[str, float, int]] = {}  # job -> (error, logged at, n)
@@ -292,13 +293,14 @@ class Daemon:
         dur = self.clock.monotonic() - t0
         self.ticks += 1
         try:
-            with self.db.tx():
-                self.db.set_meta("last_tick_at", str(self.clock.time()))
-                self.db.set_meta("tick_duration_s", f"{dur:.4f}")
-                self.db.set_meta("ticks", str(self.ticks))
-                if self.dispatcher is not None and hasattr(self.dispatcher, "status"):
-                    self.db.set_meta("alerts", json.dumps(_jsonable(self.dispatcher.status()),
-                                                          default=str))
+            rows = {"last_tick_at": str(self.clock.time()), "tick_duration_s": f"{dur:.4f}",
+                    "ticks": str(self.ticks)}
+            if self.dispatcher is not None and hasattr(self.dispatcher, "status"):
+                alerts = json.dumps(_jsonable(self.dispatcher.status()), default=str)
+                if alerts != self._alerts_row:  # the sinks' health: written when it changed
+                    rows["alerts"] = alerts
+            self.db.set_metas(rows)
+            self._alerts_row = rows.get("alerts", self._alerts_row)
         except Exception as e:  # noqa: BLE001 - the meta rows are a report: a failure to write them is logged, the tick goes on
             self._tick_failed("(the tick's meta rows)", e)
         try:

@@ -150,8 +150,9 @@ class JobRunner(JobRun):
         now = self.clock.monotonic()
         if self._history_saved_mono is None or now - self._history_saved_mono >= HISTORY_SAVE_S:
             self._history_saved_mono = now
-            self.db.set_meta(f"history:{self.name}",
-                             json.dumps(self.history.docs(HISTORY_WINDOW_S)))
+            if self.history.added != self._history_saved_n:  # else the row says it already
+                self._history_saved_n = self.history.added
+                self.db.set_meta(f"history:{self.name}", self.history.docs_json(HISTORY_WINDOW_S))
 
     def _say_log_refused(self, snap: Any) -> None:
         """A log the probe refuses (a symlink, a file the job's user cannot read: security.md

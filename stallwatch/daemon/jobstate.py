@@ -93,6 +93,7 @@ class JobState:
         # evidence and `status` (saved in the state database every HISTORY_SAVE_S).
         self.history = History()
         self._history_saved_mono: float | None = None
+        self._history_saved_n = -1  # history.added when it was last saved
 
     # ------------------------------------------------------------------------------ helpers
 

@@ -125,6 +125,10 @@ CREATE TABLE IF NOT EXISTS alert_events (
 """
 
 
+_SET_META = ("INSERT INTO meta(key, value) VALUES(?, ?) ON CONFLICT(key) "
+             "DO UPDATE SET value = excluded.value")
+
+
 def _inserted_id(cur: sqlite3.Cursor) -> int:
     if cur.lastrowid is None:  # sqlite3 sets it after every INSERT
         raise RuntimeError("sqlite3 reported no row id for an INSERT")
@@ -347,8 +351,14 @@ class StateDB:
         if not isinstance(value, str) and value is not None:
             value = json.dumps(value)
         with self.tx():
-            self.conn.execute("INSERT INTO meta(key, value) VALUES(?, ?) ON CONFLICT(key) "
-                              "DO UPDATE SET value = excluded.value", (key, value))
+            self.conn.execute(_SET_META, (key, value))
+
+    def set_metas(self, rows: dict[str, str | None]) -> None:
+        """Several meta rows in one transaction (the daemon's per-tick rows). One execute a row:
+        the connection records each for its in-memory fallback (state_conn.py)."""
+        with self.tx():
+            for key, value in rows.items():
+                self.conn.execute(_SET_META, (key, value))
 
     def delete_meta(self, *keys: str) -> None:
         with self.tx():

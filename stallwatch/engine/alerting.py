@@ -26,9 +26,9 @@ from collections.abc import Callable, Mapping
 from stallwatch.model import Frozen
 from stallwatch.vocab import SEVERITY_RANK
 
-from .expr import ExprEvalError, Vars, normalise
+from .expr import ExprEvalError, Vars, normalise, renormalise
 from .expr import Expr
-from .inputs import Paths, conjuncts, merge, paths, pick
+from .inputs import Paths, conjuncts, merge, paths, pick, unchanged
 from .rulefile import Rule, RuleSet
 
 __all__ = [
@@ -192,10 +192,14 @@ class _Instance:
     def snapshot(self) -> Alert:
         if self.shot is None:
             r, t = self.rule, self.text
-            self.shot = Alert(rule=r.name, kind=r.kind, severity=r.severity,
+            # Every field made here, of its type: no validation (a tick makes one per changed
+            # alert; pydantic's checks of what this module built cost more than the rest).
+            self.shot = Alert.model_construct(rule=r.name, kind=r.kind, severity=r.severity,
                               priority=r.priority, warning=r.warning, labels=dict(self.labels),
-                              state=self.state, since=self.since, active_mono=self.active_mono,
-                              fired_mono=self.fired_mono, resolved_mono=self.resolved_mono,
+                              state=self.state, since=float(self.since),
+                              active_mono=float(self.active_mono),
+                              fired_mono=_float(self.fired_mono),
+                              resolved_mono=_float(self.resolved_mono),
                               summary=t.summary, evidence=t.evidence, advice=t.advice,
                               cause=t.cause)
         return self.shot
@@ -266,6 +270,9 @@ class Evaluator:
         self._reads = {r.name: _reads(r) for r in rules}
         self._memo: dict[str, _Memo] = {}
         self._unions: dict[tuple[str, ...], Paths] = {}
+        # The last variables normalised (a plain dict without odd values), whose unchanged
+        # subtrees the next tick's reuse (expr.renormalise); None after any other input.
+        self._plain: dict[str, Any] | None = None
 
     # -- state that outlives this evaluator
 
@@ -341,24 +348,35 @@ class Evaluator:
         errors: list[EvalError] = []
         transitions: list[Transition] = []
         odd: list[type] = []
-        plain = data if isinstance(data, Vars) else normalise(data, odd)
+        same: dict[str, Any] | None = None
+        if isinstance(data, Vars):
+            plain: Any = data
+        elif type(data) is dict:
+            prev = self._plain
+            plain, same = renormalise(data, prev, odd)
+            self._plain = None if odd else plain
+            if prev is None:
+                same = None  # nothing to compare with: every rule's slice is compared
+        else:
+            plain = normalise(data, odd)
         if isinstance(plain, Vars) or odd:
             # Every rule against every variable, as before issue 17: a prepared context, or a
             # value the CEL library may refuse (which must then fail every rule alike).
             self._memo.clear()
+            self._plain = None
             whole = self._context(plain, errors)
             if whole is not None:
                 for rule in self.rules:
                     self._evaluate_rule(rule, whole, now, errors, transitions)
         else:
-            self._evaluate_changed(plain, now, errors, transitions)
+            self._evaluate_changed(plain, same, now, errors, transitions)
         self._restore = {}  # Prometheus restores once, at the first evaluation
         self._note_health(errors)
         alerts = sorted((i.snapshot() for i in self._active.values()),
                         key=lambda a: (self._order[a.rule], sorted(a.labels.items())))
         firing = [a for a in alerts if a.state == AlertState.FIRING]
-        return Evaluation(
-            at=now, verdict=_verdict([a for a in firing if not a.warning]),
+        return Evaluation.model_construct(  # built here, of the right types (see snapshot)
+            at=float(now), verdict=_verdict([a for a in firing if not a.warning]),
             alerts=tuple(alerts), warnings=tuple(a for a in firing if a.warning),
             transitions=tuple(transitions), errors=tuple(errors), health=self.health())
 
@@ -396,15 +414,23 @@ class Evaluator:
             errors.append(EvalError(rule="*", where="variables", error=str(exc)[:500]))
             return None
 
-    def _evaluate_changed(self, data: dict[str, Any], now: float, errors: list[EvalError],
-                          transitions: list[Transition]) -> None:
+    def _evaluate_changed(self, data: dict[str, Any], same: dict[str, Any] | None, now: float,
+                          errors: list[EvalError], transitions: list[Transition]) -> None:
         """Each rule evaluated again only if what it reads changed since its last evaluation
         (inputs.py); the others give what they gave then, and every instance's timers advance
-        (`_advance`) as on any tick: `for` and `keep_firing_for` are timed here, not in CEL."""
+        (`_advance`) as on any tick: `for` and `keep_firing_for` are timed here, not in CEL.
+
+        A memo always holds what its rule read at the last tick (a rule whose slice moved is
+        evaluated again, or its memo's slice updated), so a rule that reads only what `same`
+        says did not change since then keeps its memo without slicing anything."""
         plan: list[tuple[Rule, _Memo | None, dict[str, Any]]] = []
         fresh: list[str] = []
         for rule in self.rules:
             reads, memo = self._reads[rule.name], self._memo.get(rule.name)
+            if memo is not None and same is not None and unchanged(
+                    reads.every if memo.active else reads.cond, same):
+                plan.append((rule, memo, memo.cond_in))
+                continue
             cond_in = pick(data, reads.cond)
             if memo is not None and memo.cond_in != cond_in:
                 if memo.prefix is not None and pick(data, memo.prefix[0]) == memo.prefix[1]:
@@ -419,6 +445,7 @@ class Evaluator:
         env = self._context(pick(data, self._union(tuple(fresh))), errors) if fresh else None
         if fresh and env is None:
             self._memo.clear()
+            self._plain = None
             return
         for rule, memo, cond_in in plan:
             if memo is not None:
@@ -532,6 +559,10 @@ class Evaluator:
 def evaluate_once(rules: RuleSet, data: Mapping[str, Any] | Vars, *, ignore_for: bool = True
                   ) -> Evaluation:
     return Evaluator(rules, ignore_for=ignore_for).evaluate(data, 0.0)
+
+
+def _float(x: float | None) -> float | None:
+    return None if x is None else float(x)
 
 
 def _transition(inst: _Instance, before: AlertState, now: float) -> Transition:

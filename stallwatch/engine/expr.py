@@ -64,6 +64,7 @@ __all__ = [
     "line_col",
     "normalise",
     "prepare",
+    "renormalise",
 ]
 
 
@@ -277,6 +278,51 @@ def normalise(value: Any, odd: list | None = None) -> Any:
     if odd is not None:
         odd.append(t)
     return value
+
+
+_MISSING = object()
+
+
+def renormalise(value: dict[str, Any], prev: dict[str, Any] | None, odd: list,
+                depth: int = 2) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`normalise(value, odd)` of a dict, reusing the subtrees of `prev` (the last call's result)
+    that equal `value`'s, `depth` levels down; and the tree of what did not change: key -> None
+    (the whole value equals the last one) or key -> the same tree one level down (a dict some of
+    whose keys changed). A key that is absent from it changed, appeared or went.
+
+    The rules' variables are ~6 KB rebuilt every tick, most of which is what it was (a healthy
+    job's GPU, server, kernel and disk parts): normalising them again was most of what an
+    evaluation cost (issue 17), and what did not change needs no rule evaluated again.
+
+    "Equal" is Python's `==`, as the evaluator's memo of each rule's inputs compares them
+    (so `True` and `1.0` are alike); only plain dicts and lists are reused, and a value of a type
+    `normalise` reports in `odd` is reused never: pass prev=None after a call that found one."""
+    out: dict[str, Any] = {}
+    same: dict[str, Any] = {}
+    for k, v in value.items():
+        if type(k) is not str:
+            odd.append(type(k))
+        elif not k.isascii():
+            k = safe_text(k)
+        p = prev.get(k, _MISSING) if prev is not None else _MISSING
+        tv = type(v)
+        if tv is float or tv is bool or v is None or (tv is str and v.isascii()):
+            n = v
+        elif tv is int:
+            n = float(v)
+        elif (tv is dict or tv is list) and type(p) is tv and v == p:
+            out[k] = p
+            same[k] = None
+            continue
+        elif tv is dict and depth > 1 and type(p) is dict:
+            out[k], same[k] = renormalise(v, p, odd, depth - 1)
+            continue
+        else:
+            n = normalise(v, odd)
+        if type(p) is type(n) and p == n:  # strictly at this level: True is not 1.0 here
+            n, same[k] = p, None
+        out[k] = n
+    return out, same
 
 
 class Vars:

@@ -155,6 +155,7 @@ def features(snap: Snapshot) -> dict[str, Any]:
     server_port = snap.server.port if snap.server else _port_of(snap.target.server)
     job_pids = {p.pid for p in procs}
     mine = _pipeline_gpus(snap, job_pids)  # the GPUs gpu_fault looks at (None: all of them)
+    status = {r.name: r.status.value for r in snap.probes}  # an Enum's .value is a slow lookup
     v: dict[str, Any] = {
         "now_wall": snap.t_wall,
         "stall_threshold_s": threshold,
@@ -168,9 +169,9 @@ def features(snap: Snapshot) -> dict[str, Any]:
         "client": _client(procs, threads, server_port),
         "disk": _disk(snap),
         "kernel": _kernel(snap, procs, _pcis_of(snap, mine)),
-        "probes": {r.name: r.status.value for r in snap.probes},
-        "probe_errors": [f"{r.name}: {r.status.value}: {r.error}" for r in snap.probes
-                         if r.status.value not in ("ok", "absent") and r.error],
+        "probes": status,
+        "probe_errors": [f"{r.name}: {status[r.name]}: {r.error}" for r in snap.probes
+                         if status[r.name] not in ("ok", "absent") and r.error],
     }
     v["log"].update(_bar_vars(snap, threshold))
     v["job"].update(_job_ranks(procs, v["log"], f"{v['job']['comm']} (pid {v['job']['pid']})"))

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 
 from .expr import Expr, ExprError, _tokens, compile_expr
 
-__all__ = ["Paths", "conjuncts", "expr_paths", "merge", "paths", "pick"]
+__all__ = ["Paths", "conjuncts", "expr_paths", "merge", "paths", "pick", "unchanged"]
 
 # A trie of variable paths: key -> the keys read below it, or None for "the whole node".
 Paths = dict[str, "Paths | None"]
@@ -114,3 +114,18 @@ def pick(data: Mapping[str, Any], trie: Paths) -> dict[str, Any]:
             value = data[key]
             out[key] = value if sub is None or type(value) is not dict else pick(value, sub)
     return out
+
+
+def unchanged(trie: Paths, same: dict[str, Any]) -> bool:
+    """True when every path of `trie` reads only what `same` (expr.renormalise's tree of what
+    did not change since the last tick) says is as it was: then so is its slice (`pick`), and a
+    rule whose slice is what it read last time needs neither evaluating nor slicing again."""
+    for key, sub in trie.items():
+        if key not in same:
+            return False
+        below = same[key]
+        if below is None:
+            continue
+        if sub is None or not unchanged(sub, below):
+            return False
+    return True
