@@ -52,6 +52,7 @@ class AlertMemory:
         self.db = db
         self._alerts: list[dict[str, Any]] | None = None
         self._health: list[dict[str, str]] | None = None
+        self._health_seen: tuple[Evaluator, int] | None = None  # and its health_changes then
 
     def restore(self, evaluator: Evaluator, down_wall: float | None, now_wall: float) -> int:
         """Hand the previous daemon's timers to `evaluator`; a row that cannot be read is logged
@@ -77,11 +78,16 @@ class AlertMemory:
         if self._alerts is None or _moved(self._alerts, docs):
             self.db.set_meta(alerts_key(self.job), json.dumps(docs))
             self._alerts = docs
+        last = self._health_seen
+        if last is not None and last[0] is evaluator and last[1] == evaluator.health_changes:
+            return  # no rule's health changed since it was last compared and written
         health = [{"rule": h.rule, "health": h.health.value, "last_error": h.last_error}
                   for h in evaluator.health()]
         if health != self._health:
             self.db.set_meta(rules_key(self.job), json.dumps(health))
             self._health = health
+        self._health_seen = (evaluator, evaluator.health_changes)  # after the write: a failed
+        # one is tried again next tick
 
 
 def _moved(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> bool:
