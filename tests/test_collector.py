@@ -193,3 +193,49 @@ def test_every_observation_status_folds_into_its_report_by_one_rule(tmp_path):
     # each observation sits in the field the table gives its probe (kmsg -> kernel)
     for name, field in PROBE_FIELDS.items():
         assert (name in reports) == (getattr(snap, field) is not None), name
+
+
+def test_disks_handed_out_of_a_late_lane_still_gets_the_jobs_paths_and_a_stuck_processes_probe_costs_it_nothing(tmp_path) -> None:
+    """The disks probe runs after the processes probe in the lane (the job's cwd and written
+    files are its paths). A processes probe slower than the handoff: disks, handed a thread of
+    its own, waits for it and still measures the job's cwd. One stuck past its deadline: disks
+    goes on with the static paths, and while it stays stuck (`busy`) disks does not wait."""
+    import subprocess
+
+    cwd = tmp_path / "jobcwd"
+    cwd.mkdir()
+    job = subprocess.Popen(["sleep", "30"], cwd=cwd)
+    c = Collector(Target(pids=(job.pid,), outputs=tmp_path / "out"), gpu=False, deadline_s=1.0,
+                  use_inotify=False)
+    real, gate, mode = c.processes.collect, threading.Event(), ["slow"]
+
+    def processes():
+        if mode[0] == "slow":
+            time.sleep(0.5)  # past the handoff (a quarter of 1 s), within the deadline
+        elif mode[0] == "stuck":
+            gate.wait(30)
+        return real()
+
+    c.processes.collect = processes
+    try:
+        statuses = lambda snap: {r.name: r.status for r in snap.probes}  # noqa: E731
+        snap = c.tick()
+        assert statuses(snap)["processes"] == ProbeStatus.ok
+        assert str(cwd) in {p.path for p in snap.disks.paths}
+        mode[0] = "stuck"
+        t0 = time.monotonic()
+        snap = c.tick()
+        # one deadline (1 s), not the disks probe's longer one waited out for the stuck call
+        assert time.monotonic() - t0 < 2.5
+        assert statuses(snap)["processes"] == ProbeStatus.timeout
+        assert statuses(snap)["disks"] == ProbeStatus.ok
+        assert str(cwd) not in {p.path for p in snap.disks.paths}
+        t0 = time.monotonic()
+        snap = c.tick()
+        assert statuses(snap)["processes"] == ProbeStatus.busy and statuses(snap)["disks"] == ProbeStatus.ok
+        assert time.monotonic() - t0 < 0.9  # not waiting out the stuck call's deadline again
+    finally:
+        gate.set()
+        job.kill()
+        job.wait()
+        c.close()

@@ -221,3 +221,41 @@ def test_dev_shm_on_tmpfs_is_read_inline_and_still_reported(tmp_path: Path, monk
     for o in obs:
         shm, = [u for u in o.paths if u.kind == "dev_shm"]
         assert shm.status == "ok" and shm.shm_segments is not None and shm.total_bytes
+
+
+def test_a_paths_realpath_is_reused_until_its_filesystem_changes(tmp_path: Path, monkeypatch) -> None:
+    """realpath walks every component with lstat; it is re-done only when statvfs of the path
+    lands on another filesystem (or after RESOLVE_TTL_S): a link moved to another mount is seen
+    on the next collect."""
+    import os
+    import uuid
+
+    import pytest
+
+    from stallwatch.probes import disks
+
+    other = Path("/dev/shm") / f"lane-{uuid.uuid4().hex[:8]}"
+    if not Path("/dev/shm").is_dir() or os.statvfs("/dev/shm").f_fsid == os.statvfs(tmp_path).f_fsid:
+        pytest.skip("needs /dev/shm on a filesystem other than the test's tmp dir")
+    here = tmp_path / "data"
+    here.mkdir()
+    link = tmp_path / "out"
+    link.symlink_to(here)
+    walks: list[str] = []
+    real = os.path.realpath
+    monkeypatch.setattr(disks.os.path, "realpath", lambda p, *a, **k: walks.append(p) or real(p, *a, **k))
+    probe = disks.DisksProbe([link], dev_shm=None)
+    other.mkdir()
+    try:
+        for _ in range(3):
+            (entry,) = probe.collect().paths
+            assert entry.status == "ok" and entry.resolved_path == str(here)
+        assert walks.count(str(link)) == 1, walks  # resolved once, then reused
+        link.unlink()
+        link.symlink_to(other)  # the job points it at another filesystem
+        (entry,) = probe.collect().paths
+        assert entry.resolved_path == str(other) and entry.mount.fs_type == "tmpfs"
+        assert walks.count(str(link)) == 2
+    finally:
+        probe.close()
+        other.rmdir()

@@ -178,6 +178,7 @@ class Batch:
         for call in calls:
             call.batch = self
         self._lock = threading.Lock()
+        self._ended = threading.Condition(self._lock)  # notified as each call ends
         # Held until the last call ends: a bare lock is the cheapest thing to wait on (an Event
         # makes a Condition and a lock per wait).
         self._pending = threading.Lock()
@@ -207,6 +208,11 @@ class Batch:
                 self.lane_in = call
             return True
 
+    def wait_for(self, calls: list[Call], timeout_s: float) -> bool:
+        """True once each of `calls` has ended (the others may still run)."""
+        with self._ended:
+            return self._ended.wait_for(lambda: all(c.done for c in calls), max(0.0, timeout_s))
+
     def run(self, call: Call) -> None:
         call.started = self.clock.monotonic()
         try:
@@ -221,6 +227,7 @@ class Batch:
             self._left -= 1
             if self._left == 0:
                 self._pending.release()
+            self._ended.notify_all()
 
     def run_lane(self) -> None:
         for call in self.calls:
@@ -316,8 +323,9 @@ class DeadlineRunner:
             # failure is its call's `error`, read in _report.
             self._lane.wait(batch, t0 + HANDOFF_SHARE * shortest, t0 + shortest)
             for deadline_s in sorted({d for _, _, d in started}):  # each call, at its deadline
-                if deadline_s > shortest:
-                    batch.wait(t0 + deadline_s - self._clock.monotonic())
+                if deadline_s > shortest:  # wait on for the calls with this deadline or longer
+                    batch.wait_for([c for _, c, d in started if c is not None and d >= deadline_s],
+                                   t0 + deadline_s - self._clock.monotonic())
                 for i, (_, call, d) in enumerate(started):
                     if d == deadline_s:
                         in_time[i] = call is not None and call.done

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from pathlib import Path
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
@@ -88,22 +89,31 @@ class Collector:
         inline = {p.name: run_inline(p.name, p.collect, self.clock) for p in probes
                   if (cannot_block := getattr(p, "cannot_block", None)) is not None and cannot_block()}
         procs: list[ProcessesObs] = []
+        procs_ran = threading.Event()
+        procs_busy = self.processes.name in self.runner.stuck()  # its call will not be made
 
         def processes() -> ProcessesObs:
-            procs.append(self.processes.collect())
+            try:
+                procs.append(self.processes.collect())
+            finally:
+                procs_ran.set()
             return procs[-1]
 
         def disks():
             # The filesystems that matter are those the job works in and writes to, known once
-            # the processes probe ran: before this, in the same lane. A lane that was late and
-            # handed this out may not have it yet: then the static paths alone, as when the
-            # processes probe times out.
+            # the processes probe ran: before this, in the same lane. Handed out of a late lane,
+            # this waits for it as long as its deadline, then goes on with the static paths
+            # alone, as when the processes probe times out (or is still stuck: not in the batch).
+            if not procs_busy:
+                procs_ran.wait(max(0.0, t0 + self.deadline_s - self.clock.monotonic()))
             self.disks.paths = _disk_paths(self._static_paths, procs[0] if procs else None)
             return self.disks.collect()
 
         batch = [(p.name, processes if p is self.processes else p.collect, self.deadline_s)
                  for p in probes if p.name not in inline]
-        batch.append((self.disks.name, disks, max(self.deadline_s, self.disks.statvfs_deadline_s + 1.0)))
+        # Its own statvfs deadline (and a second) after the processes probe's, as when it ran
+        # after the others: a slow processes probe must not leave it no time.
+        batch.append((self.disks.name, disks, self.deadline_s + self.disks.statvfs_deadline_s + 1.0))
         ran = dict(zip([c[0] for c in batch], self.runner.call_many(batch), strict=True))
         results = {p.name: ran[p.name] if p.name in ran else inline[p.name] for p in probes}
         results[self.disks.name] = ran[self.disks.name]
