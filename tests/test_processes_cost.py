@@ -337,6 +337,39 @@ def test_kept_files_stay_within_their_budget_and_fail_like_reads(tmp_path):
     assert len(files) == 0
 
 
+def test_a_taken_descriptor_is_its_owners_until_dropped():
+    """take() hands a kept descriptor over: it leaves the path table (read() opens its own),
+    counts against the budget, is never closed by sweep(), and is closed by drop() alone, so the
+    number its owner holds is never closed and reused under it."""
+    import threading
+
+    from stallwatch.kernel.procfiles import FD_FLOOR, ProcFiles
+
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait)
+    t.start()
+    me, tid = os.getpid(), t.native_id
+    path = f"/proc/{me}/task/{tid}/schedstat"
+    try:
+        files = ProcFiles(Roots(), max_open=2, keep=1)
+        files.read(path)
+        fd = files.take(path)  # the descriptor read() kept, handed over
+        assert fd is not None and fd >= FD_FLOOR and open_proc_files()[fd] == path
+        assert len(files) == 1
+        for _ in range(3):
+            files.sweep()
+        assert open_proc_files().get(fd) == path  # a sweep never closes it
+        assert files.pread(fd, 128, 0) == files.read(path)  # read() keeps one of its own now
+        assert len(files) == 2
+        assert files.take(f"/proc/{me}/task/{me}/schedstat") is None  # past the budget
+        files.drop(fd)
+        assert fd not in open_proc_files() and len(files) == 1
+        files.drop(fd)  # twice is nothing: the number may be another file's by now
+    finally:
+        stop.set()
+        t.join()
+
+
 def test_without_schedstat_context_switches_say_whether_a_thread_ran(tmp_path):
     """A fixture tree has no schedstat: status's context switches are the signal instead."""
     fake, clock = FakeProc(tmp_path), FakeClock()
