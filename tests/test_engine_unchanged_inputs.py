@@ -275,3 +275,38 @@ def test_values_that_come_go_and_change_type_below_the_top_change_nothing(tmp_pa
         data = {"job": job, "log": {"idle_s": s["idle"], "other": 0},
                 "proc": {"threads": [], "main": {"thread": s["d"]}}}
         _same(cached.evaluate(data, t), full.evaluate(Vars(data), t))
+
+
+def test_a_rule_false_last_time_gets_its_condition_reads_alone_until_it_turns_true(
+        tmp_path, monkeypatch) -> None:
+    import stallwatch.engine.alerting as alerting
+
+    built: list[dict] = []
+    real = alerting.Vars
+
+    class Seen(real):  # type: ignore[misc, valid-type]
+        __slots__ = ()
+
+        def __init__(self, data, **kw):
+            built.append(data)
+            super().__init__(data, **kw)
+
+    monkeypatch.setattr(alerting, "Vars", Seen)
+    path = tmp_path / "r.toml"
+    path.write_text('[[rule]]\nname = "stall"\nkind = "hang"\n'
+                    'condition = "job.alive && log.idle_s > 3"\n'
+                    'summary = "no progress for {log.idle_s} s in {job.comm}"\n'
+                    'labels = { pid = "{string(int(job.pid))}" }\n')
+    ev = Evaluator(load_rules([path]))
+    data = {"job": {"alive": True, "comm": "trainer", "pid": 7}, "log": {"idle_s": 0}}
+    ev.evaluate(data, 0.0)
+    assert built[-1]["job"] == {"alive": True, "comm": "trainer", "pid": 7.0}  # first: all
+    ev.evaluate({**data, "log": {"idle_s": 1}}, 1.0)
+    # false last time, evaluated again (idle_s moved): what its condition reads, no more
+    assert built[-1] == {"job": {"alive": True}, "log": {"idle_s": 1.0}}
+    built.clear()
+    out = ev.evaluate({**data, "log": {"idle_s": 4}}, 2.0)
+    # true now: a context with what its labels and summary read too, and they are rendered
+    assert built[-1]["job"] == {"alive": True, "comm": "trainer", "pid": 7.0}
+    [alert] = out.alerts
+    assert alert.labels == {"pid": "7"} and alert.summary == "no progress for 4 s in trainer"

@@ -265,7 +265,7 @@ class Evaluator:
         self._restore: dict[_Key, _Saved] = {}  # used by the first evaluation, then dropped
         self._reads = {r.name: _reads(r) for r in rules}
         self._memo: dict[str, _Memo] = {}
-        self._unions: dict[tuple[str, ...], Paths] = {}
+        self._unions: dict[tuple[tuple[str, ...], tuple[str, ...]], Paths] = {}
         # The last variables normalised (a plain dict without odd values), whose unchanged
         # subtrees the next tick's reuse (expr.renormalise); None after any other input.
         self._plain: dict[str, Any] | None = None
@@ -426,8 +426,13 @@ class Evaluator:
         says did not change since then keeps its memo without slicing anything."""
         plan: list[tuple[Rule, _Memo | None, dict[str, Any]]] = []
         fresh: list[str] = []
+        # Rules false at their last evaluation: the context holds what their conditions read,
+        # not their texts (each value in it costs microseconds to build: inputs.py); one that
+        # turns true gets its own context with what its labels and texts read as well.
+        lean: list[str] = []
         for rule in self.rules:
             reads, memo = self._reads[rule.name], self._memo.get(rule.name)
+            was_false = memo is not None and not memo.active
             if memo is not None and same is not None and unchanged(
                     reads.every if memo.active else reads.cond, same):
                 plan.append((rule, memo, memo.cond_in))
@@ -443,7 +448,10 @@ class Evaluator:
             plan.append((rule, memo, cond_in))
             if memo is None:
                 fresh.append(rule.name)
-        env = self._context(pick(data, self._union(tuple(fresh))), errors) if fresh else None
+                if was_false:
+                    lean.append(rule.name)
+        env = (self._context(pick(data, self._union(tuple(fresh), tuple(lean))), errors)
+               if fresh else None)
         if fresh and env is None:
             self._memo.clear()
             self._plain = None
@@ -456,13 +464,18 @@ class Evaluator:
                 continue
             self._memo.pop(rule.name, None)
             n_errors = len(errors)
-            judged = self._judge(rule, env, errors)
+            use: Vars | None = env
+            if rule.name in lean and _true(rule, env):
+                use = self._context(pick(data, self._reads[rule.name].every), errors)
+                if use is None:
+                    continue
+            judged = self._judge(rule, use, errors)
             if judged is None:
                 continue
             active, labels = judged
             texts: list[_Text] = []
 
-            def text(rule: Rule = rule, texts: list[_Text] = texts, env: Vars = env) -> _Text:
+            def text(rule: Rule = rule, texts: list[_Text] = texts, env: Vars = use) -> _Text:
                 texts.append(_render_text(rule, env, errors))
                 return texts[-1]
 
@@ -472,17 +485,19 @@ class Evaluator:
                 self._memo[rule.name] = _Memo(
                     cond_in, active, labels, pick(data, reads.text) if active else None,
                     texts[-1] if texts else None,
-                    None if active else _first_false(reads.conj, env, data))
+                    None if active else _first_false(reads.conj, use, data))
 
-    def _union(self, names: tuple[str, ...]) -> Paths:
-        union = self._unions.get(names)
+    def _union(self, names: tuple[str, ...], lean: tuple[str, ...] = ()) -> Paths:
+        """What the rules `names` read; those also in `lean`, their conditions alone."""
+        union = self._unions.get((names, lean))
         if union is None:
             union = {}
             for name in names:
-                union = merge(union, self._reads[name].every)
+                reads = self._reads[name]
+                union = merge(union, reads.cond if name in lean else reads.every)
             if len(self._unions) > 64:
                 self._unions.clear()
-            self._unions[names] = union
+            self._unions[(names, lean)] = union
         return union
 
     # -- one rule
@@ -565,6 +580,14 @@ def evaluate_once(rules: RuleSet, data: Mapping[str, Any] | Vars, *, ignore_for:
 def _transition(inst: _Instance, before: AlertState, now: float) -> Transition:
     return Transition(rule=inst.rule.name, labels=dict(inst.labels), from_state=before,
                       to_state=inst.state, at=now, alert=inst.snapshot())
+
+
+def _true(rule: Rule, env: Vars) -> bool:
+    """Whether `rule`'s condition holds; False when it fails (_judge then says why)."""
+    try:
+        return rule.condition.evaluate_bool(env)
+    except ExprEvalError:
+        return False
 
 
 def _error(rule: Rule, where: str, exc: ExprEvalError) -> EvalError:
