@@ -310,3 +310,16 @@ def test_a_rule_false_last_time_gets_its_condition_reads_alone_until_it_turns_tr
     assert built[-1]["job"] == {"alive": True, "comm": "trainer", "pid": 7.0}
     [alert] = out.alerts
     assert alert.labels == {"pid": "7"} and alert.summary == "no progress for 4 s in trainer"
+
+
+def test_health_is_true_through_ok_ticks_an_error_and_back(tmp_path) -> None:
+    ev = Evaluator(_rules(tmp_path))
+    ok = {"job": {"alive": True, "comm": "a", "pid": 1, "nope": 0}, "log": {"idle_s": 0},
+          "proc": {"threads": []}}
+    seen = []
+    for t, data in enumerate([ok, ok, {**ok, "job": {"alive": True, "comm": "a", "pid": 1}},
+                              ok, ok]):
+        out = ev.evaluate(data, float(t))
+        assert out.health == ev.health()
+        seen.append({h.rule: h.health.value for h in out.health}["missing"])
+    assert seen == ["ok", "ok", "err", "ok", "ok"]  # `missing` reads job.nope

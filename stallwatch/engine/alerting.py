@@ -270,6 +270,8 @@ class Evaluator:
         # subtrees the next tick's reuse (expr.renormalise); None after any other input.
         self._plain: dict[str, Any] | None = None
         self.health_changes = 0  # how many times a rule's health changed: what savers compare
+        self._all_ok = -1  # health_changes when every rule was last seen ok
+        self._health_shot: tuple[int, tuple[RuleStatus, ...]] | None = None
 
     # -- state that outlives this evaluator
 
@@ -335,7 +337,10 @@ class Evaluator:
         return len(self._restore)
 
     def health(self) -> tuple[RuleStatus, ...]:
-        return tuple(self._health[r.name] for r in self.rules)
+        if self._health_shot is None or self._health_shot[0] != self.health_changes:
+            self._health_shot = (self.health_changes,
+                                 tuple(self._health[r.name] for r in self.rules))
+        return self._health_shot[1]
 
     # -- evaluation
 
@@ -390,6 +395,8 @@ class Evaluator:
         return Evaluator(self.rules, ignore_for=ignore_for).evaluate(data, 0.0)
 
     def _note_health(self, errors: list[EvalError]) -> None:
+        if not errors and self._all_ok == self.health_changes:
+            return  # every rule was ok and still is
         first: dict[str, EvalError] = {}
         for e in errors:
             first.setdefault(e.rule, e)
@@ -401,6 +408,8 @@ class Evaluator:
             if (old.health, old.last_error) != (health, last_error):  # a new model only then
                 self._health[name] = RuleStatus(rule=name, health=health, last_error=last_error)
                 self.health_changes += 1
+        if not errors:
+            self._all_ok = self.health_changes  # every rule is ok as of this count
 
     @staticmethod
     def _context(data: Any, errors: list[EvalError], *, normalised: bool = True) -> Vars | None:
