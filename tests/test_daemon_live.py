@@ -290,6 +290,7 @@ def test_bad_reload_keeps_old_config_and_sd_notify(h: Harness, tmp_path: Path) -
         ready = expect("READY")
         assert "extract" in ready["STATUS"]
         expect("WATCHDOG")
+        h.wait_log(r"garbage collector: [1-9]\d* start-up objects frozen", 20)  # daemon/gcpolicy.py
         good = h.cfg.read_text()
 
         h.cfg.write_text(good.replace('restart = "on-failure"', 'restart = "sometimes"'))

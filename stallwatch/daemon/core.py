@@ -40,6 +40,7 @@ from stallwatch.kernel.proc import boot_id
 from stallwatch.kernel.roots import Absent, Denied
 from stallwatch.daemon.sdnotify import Notifier
 from stallwatch.daemon.alertmemory import PRUNE_EVERY_S, prune_removed
+from stallwatch.daemon.gcpolicy import settle_after_start
 from stallwatch.daemon.state import StateDB
 
 log = logging.getLogger("stallwatch.daemon")
@@ -238,6 +239,7 @@ class Daemon:
         try:
             self.open()
             self._install()
+            settle_after_start()
             interval = self.config.daemon.interval_s
             next_tick = self.clock.monotonic()
             while not self._stop:
