@@ -195,7 +195,7 @@ def test_every_observation_status_folds_into_its_report_by_one_rule(tmp_path):
         assert (name in reports) == (getattr(snap, field) is not None), name
 
 
-def test_disks_handed_out_of_a_late_lane_still_gets_the_jobs_paths_and_a_stuck_processes_probe_costs_it_nothing(tmp_path) -> None:
+def test_disks_handed_out_of_a_late_lane_gets_the_jobs_paths_a_stuck_processes_probe_costs_it_nothing(tmp_path) -> None:
     """The disks probe runs after the processes probe in the lane (the job's cwd and written
     files are its paths). A processes probe slower than the handoff: disks, handed a thread of
     its own, waits for it and still measures the job's cwd. One stuck past its deadline: disks

@@ -35,7 +35,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from stallwatch.daemon.state_conn import _Conn, _degrading
 from stallwatch.errors import UsageError
@@ -353,7 +353,7 @@ class StateDB:
         with self.tx():
             self.conn.execute(_SET_META, (key, value))
 
-    def set_metas(self, rows: dict[str, str | None]) -> None:
+    def set_metas(self, rows: Mapping[str, str | None]) -> None:
         """Several meta rows in one transaction (the daemon's per-tick rows). One execute a row:
         the connection records each for its in-memory fallback (state_conn.py)."""
         with self.tx():

@@ -473,11 +473,12 @@ class Evaluator:
                 continue
             self._memo.pop(rule.name, None)
             n_errors = len(errors)
-            use: Vars | None = env
+            use: Vars = env
             if rule.name in lean and _true(rule, env):
-                use = self._context(pick(data, self._reads[rule.name].every), errors)
-                if use is None:
+                whole = self._context(pick(data, self._reads[rule.name].every), errors)
+                if whole is None:
                     continue
+                use = whole
             judged = self._judge(rule, use, errors)
             if judged is None:
                 continue
