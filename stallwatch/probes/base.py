@@ -222,6 +222,12 @@ class Batch:
         call.finished = self.clock.monotonic()
         with self._lock:
             call.done = True
+            # The batch and its calls refer to each other: a done call lets go of its batch, so
+            # both are freed by their reference counts (the cycle kept each tick's observations,
+            # 1,025 thread records on the wide job, alive until a gen-1 collection: +47 MiB RSS
+            # with daemon/gcpolicy.py's rarer collections). Only a call still running is waited
+            # on through its batch (disks.py).
+            call.batch = None
             if self.lane_in is call:
                 self.lane_in = None  # before the batch is done: the waiter may hand the lane the next
             self._left -= 1
