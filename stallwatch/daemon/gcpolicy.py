@@ -26,10 +26,12 @@ log = logging.getLogger("stallwatch.daemon")
 # the standard job, ~2,600 on the wide one; so one young collection every 25 ticks, or 4, instead
 # of every 2 ticks, or 4 a tick.
 GEN0_THRESHOLD_ALLOCS = 10_000
-# Young collections per gen-1 collection, and gen-1 per full: CPython's 10 and 10 make a full walk
-# every 100 young ones (every ~30 s on the wide job); with these, one in 5,000 (hours apart).
-GEN1_EVERY = 50
-GEN2_EVERY = 100
+# Young collections per gen-1 collection, and gen-1 per full: CPython's own 10 and 10. What the
+# start-up made is frozen, so a full walk covers only what the daemon made since (the thread
+# memos of a wide job, caches): one every 100 young collections, ~7 minutes apart on the wide
+# job. Rarer ones would let garbage caught in a reference cycle live that much longer.
+GEN1_EVERY = 10
+GEN2_EVERY = 10
 
 
 def settle_after_start() -> int:
