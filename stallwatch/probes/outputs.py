@@ -198,6 +198,7 @@ class OutputsProbe:
         self._reconcile_dur: float | None = None
         self._last_reconcile: float | None = None
         self._root_ident: tuple[int, int] | None = None
+        self._base_ident: tuple[int, int] | None = None  # of the directory self._base named
         self._reset_index()
         self._last_change: float | None = None
 
@@ -209,8 +210,11 @@ class OutputsProbe:
         self._newest: tuple[int, str] | None = None
         self._newest_stale = False
         self._recent: OrderedDict[str, None] = OrderedDict()
-        self._hot: OrderedDict[str, float] = OrderedDict()
-        self._hot_checked: dict[str, float] = {}  # hot file -> when last re-stat'ed
+        # Both ordered by their value, oldest first (each write moves its key to the end, and
+        # the clock only moves on), so a tick looks only at their ends, not at every hot file.
+        self._hot: OrderedDict[str, float] = OrderedDict()  # hot file -> when it last changed
+        # hot file -> when last re-stat'ed (when it got hot, before that): the same keys as _hot
+        self._hot_checked: OrderedDict[str, float] = OrderedDict()
         # Hot files closed after writing (inotify's IN_CLOSE_WRITE) since they last changed: a
         # writer must open them again to change them, so they are re-stat'ed at the slower
         # cadence, not every tick (issue 17: a job writing 5 files a second kept ~50 fresh).
@@ -251,6 +255,7 @@ class OutputsProbe:
     def _heat(self, rel: str, now: float) -> None:
         self._hot[rel] = now
         self._hot.move_to_end(rel)
+        self._checked(rel, now)
         self._closed.discard(rel)
         while len(self._hot) > self.max_hot:
             cold = self._hot.popitem(last=False)[0]
@@ -455,21 +460,38 @@ class OutputsProbe:
                 return rel
         return os.path.relpath(path, self._base).replace(os.sep, "/")
 
+    def _checked(self, rel: str, now: float) -> None:
+        self._hot_checked[rel] = now
+        self._hot_checked.move_to_end(rel)
+
     def _restat_hot(self, now: float) -> None:
         # A file that changed within HOT_FRESH_S is re-stat'ed every tick; one that has been
-        # still for longer, every HOT_SLOW_EVERY_S: a job writing 5 files a second keeps ~300
-        # files hot, and stat'ing all of them every tick was most of this probe's cost.
-        checked = self._hot_checked
-        for rel, t in list(self._hot.items()):
-            if now - t > self.hot_window_s:
-                del self._hot[rel]
-                checked.pop(rel, None)
-                self._closed.discard(rel)
+        # still for longer, or was closed after writing, every HOT_SLOW_EVERY_S: a job writing 5
+        # files a second keeps ~300 files hot, and stat'ing all of them every tick was most of
+        # this probe's cost. Only the ends of the two ordered maps are looked at (issue 17:
+        # scanning all 256 hot entries cost ~40-90 us a tick for ~10 that were due).
+        hot, checked = self._hot, self._hot_checked
+        while hot:
+            rel, t = next(iter(hot.items()))
+            if now - t <= self.hot_window_s:
+                break
+            del hot[rel]
+            checked.pop(rel, None)
+            self._closed.discard(rel)
+        due: dict[str, None] = {}
+        for rel in reversed(hot):  # the fresh ones: changed within HOT_FRESH_S
+            if now - hot[rel] >= HOT_FRESH_S:
+                break
+            if rel not in self._closed:
+                due[rel] = None
+        for rel, t in checked.items():  # the slow ones: not looked at for HOT_SLOW_EVERY_S
+            if now - t < HOT_SLOW_EVERY_S:
+                break
+            due[rel] = None
+        for rel in due:
+            if rel not in hot:  # dropped meanwhile, with its directory
                 continue
-            if (now - t >= HOT_FRESH_S or rel in self._closed) \
-                    and now - checked.get(rel, t) < HOT_SLOW_EVERY_S:
-                continue
-            checked[rel] = now
+            self._checked(rel, now)
             dirrel, name = _split(rel)
             try:
                 st = os.lstat(os.path.join(self._base, rel))
@@ -539,10 +561,7 @@ class OutputsProbe:
     def collect(self) -> OutputsObs:
         now = self.clock.monotonic()
         try:
-            # The real path: inotify does not follow a symlinked root, and event paths and the
-            # index are then all under one spelling.
-            self._base = os.path.realpath(self.root)
-            st = os.stat(self._base)
+            st = self._resolve_base()
         except FileNotFoundError:
             return self._gone(now, ProbeStatus.absent, f"{self.root} does not exist")
         except PermissionError as e:
@@ -574,10 +593,32 @@ class OutputsProbe:
             rel = self._rel(p)
             if rel in self._hot:
                 self._closed.add(rel)
-                self._hot_checked[rel] = now
+                self._checked(rel, now)
         self._just_closed.clear()
         self._restat_hot(now)
         return self._obs(now, ProbeStatus.ok, None)
+
+    def _resolve_base(self) -> os.stat_result:
+        """The root's real path (inotify does not follow a symlinked root, and event paths and
+        the index are then all under one spelling) and its stat. realpath lstats every component
+        in Python (~8-15 us); the last one is reused while the root is still the directory it
+        named: the same (st_dev, st_ino) reached through the root and through that real path
+        itself, no link on its last component. Any other answer resolves afresh."""
+        st = os.stat(self.root)
+        ident = (st.st_dev, st.st_ino)
+        if ident == self._base_ident:
+            try:
+                lst = os.lstat(self._base)
+            except OSError:
+                lst = None
+            if lst is not None and stat.S_ISDIR(lst.st_mode) and (lst.st_dev, lst.st_ino) == ident:
+                return st
+        self._base_ident = None
+        self._base = os.path.realpath(self.root)
+        st = os.stat(self._base)
+        if stat.S_ISDIR(st.st_mode):
+            self._base_ident = (st.st_dev, st.st_ino)
+        return st
 
     def _gone(self, now: float, status: ProbeStatus, error: str | None) -> OutputsObs:
         self._stop_watch()
