@@ -145,7 +145,7 @@ def test_an_idle_thread_costs_one_read_of_its_schedstat():
         probe.collect()
         reads: list[str] = []
         kept_read, held_read = probe._kept.read, probe._kept.pread
-        probe._kept.read = lambda path: reads.append(path) or kept_read(path)
+        probe._kept.read = lambda path, *share: reads.append(path) or kept_read(path, *share)
         # schedstat's descriptor is held by the thread's memo and read by number: name it
         probe._kept.pread = lambda fd, n, at: (reads.append(os.readlink(f"/proc/self/fd/{fd}"))
                                                or held_read(fd, n, at))

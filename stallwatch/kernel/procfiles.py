@@ -60,11 +60,14 @@ class ProcFiles:
         # The probe is replaced when a job restarts; its descriptors must not outlive it.
         self._finalizer = weakref.finalize(self, _close_all, self._fds, self._taken)
 
-    def read(self, path: str) -> bytes:
-        """The file's bytes; Absent when the task is gone, Denied when hidden from us."""
+    def read(self, path: str, share: float = 1.0) -> bytes:
+        """The file's bytes; Absent when the task is gone, Denied when hidden from us. A file
+        that is not kept yet is opened to be kept only while fewer than `share` of max_open are:
+        files read only when a thread ran (its wait channel, stack) take at most half, so that
+        on a wide job they never crowd out the stat and schedstat every thread needs."""
         fd = self._fds.get(path)
         if fd is None:
-            if len(self._fds) + len(self._taken) >= self.max_open:
+            if len(self._fds) + len(self._taken) >= self.max_open * share:
                 return self.roots.read_small(path, READ_LIMIT)
             low, fd = self._open(path)
             if fd is None:
@@ -140,6 +143,10 @@ class ProcFiles:
         fd = self._fds.pop(path, None)
         if fd is not None:
             os.close(fd)
+
+    def holds(self, path: str) -> bool:
+        """Whether a descriptor is kept on this file (read() would pread it)."""
+        return path in self._fds
 
     def __len__(self) -> int:
         return len(self._fds) + len(self._taken)

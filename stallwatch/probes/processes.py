@@ -289,14 +289,38 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             denied.add(signal)
             return None
 
+    def _kept_optional(self, path: str, parse: Callable[[str], T], signal: str,
+                       denied: set[str]) -> T | None:
+        """_optional for a task's small single-show files read again on later ticks (a thread's
+        wchan, syscall, stack, sched and status, when it ran): kept open and re-read with one
+        pread instead of open, read, read, close (kernel/procfiles.py; a kept descriptor is bound
+        to its task, so a reused tid never reads another's). They may fill half the kept budget
+        only (ProcFiles.read's share); _forget_memo closes them with the thread's memo."""
+        try:
+            kept = self._kept.holds(path)
+            try:
+                raw = self._kept.read(path, 0.5)
+            except Absent:
+                if not kept:
+                    raise
+                # A descriptor kept on a task that ended fails (and is closed); the number may
+                # be another task's by now: it is opened afresh once.
+                raw = self._kept.read(path, 0.5)
+        except Absent:
+            return None
+        except Denied:
+            denied.add(signal)
+            return None
+        return parse(raw.decode("utf-8", "replace"))
+
     def _kept_parsed(self, path: str, parse: Callable[[str], T], signal: str,
                      denied: set[str]) -> T | None:
-        """_optional for a process's own small files read every tick (stat, status, io): kept
-        open and re-read with pread, and parsed again only when their bytes changed, which for a
-        sleeping process they mostly do not (a wide job's ranks: 9 status and io parses a tick
-        were 0.8 ms)."""
+        """_optional for a process's own small files read every tick (stat, status, io, a
+        regular file's fdinfo): kept open and re-read with pread, and parsed again only when their
+        bytes changed, which for a sleeping process they mostly do not (a wide job's ranks: 9
+        status and io parses a tick were 0.8 ms). Those not read in a tick are closed (_forget)."""
         try:
-            raw = self._kept.read(path)
+            raw = self._kept.read(path, 0.5)  # a wide job's stat and schedstat come first
         except Absent:
             return None
         except Denied:
@@ -450,7 +474,8 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         for fd, path in others[:self.max_open_files]:
             write = pos = None
             if path.startswith("/") and not path.startswith("/dev/"):
-                info = self._optional(self._paths.pid(pid, f"fdinfo/{fd}"),
+                # kept, like status and io, and released with them when the process leaves
+                info = self._kept_parsed(self._paths.pid(pid, f"fdinfo/{fd}"),
                                       procfs.parse_fdinfo, "fdinfo", tick.denied)
                 if info is not None:
                     pos, flags = info

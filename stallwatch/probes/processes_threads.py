@@ -2,7 +2,7 @@
 17; moved out of probes/processes.py as it was).
 
 A mixin of ProcessesProbe: it uses the probe's roots, _paths, _kept, _memos, _tck, _runq,
-_syscalls, _sched_clock, read_stacks and its _optional, _track, _has_schedstat and
+_syscalls, _sched_clock, read_stacks and its _optional, _kept_optional, _track, _has_schedstat and
 _kept_or_none."""
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ class ThreadReader:
     _kept_or_none: Callable[[str], bytes | None]
     _held_sched: Callable[[_ThreadMemo], bytes | None]
     _optional: Callable[..., Any]
+    _kept_optional: Callable[..., Any]
     _kept_parsed: Callable[..., Any]
     _track: Callable[..., Any]
 
@@ -117,7 +118,7 @@ class ThreadReader:
         try:
             raw = self._kept.read(f"{d}/stat")
             status = None if sched is not None else procfs.parse_status(
-                self.roots.read_small(f"{d}/status").decode("utf-8", "replace"))
+                self._kept.read(f"{d}/status", 0.5).decode("utf-8", "replace"))
         except (Absent, Denied):  # gone since the listing, or hidden by hidepid
             return None
         if sched is _UNREAD:
@@ -135,19 +136,20 @@ class ThreadReader:
         try:
             if status is None:
                 status = procfs.parse_status(
-                    self.roots.read_small(f"{d}/status").decode("utf-8", "replace"))
+                    self._kept.read(f"{d}/status", 0.5).decode("utf-8", "replace"))
         except (Absent, Denied):
             return None
         ctx = _ctx(status)
         tr, _, cpu_delta = self._track(("t", tid, st.start_ticks), now, st.state, sum(ctx),
                                        st.utime_ticks + st.stime_ticks)
         denied: set[str] = set()
-        wchan = self._optional(f"{d}/wchan", procfs.parse_wchan, "wchan", denied) if blocked else None
-        sc = self._optional(f"{d}/syscall", lambda s: procfs.parse_syscall(s, self._syscalls),
-                            "syscall", denied) if blocked else None
-        stack = (self._optional(f"{d}/stack", procfs.parse_stack, "stack", denied)
+        opt = self._kept_optional
+        wchan = opt(f"{d}/wchan", procfs.parse_wchan, "wchan", denied) if blocked else None
+        sc = opt(f"{d}/syscall", lambda s: procfs.parse_syscall(s, self._syscalls),
+                 "syscall", denied) if blocked else None
+        stack = (opt(f"{d}/stack", procfs.parse_stack, "stack", denied)
                  if blocked and self.read_stacks else None)
-        ran_up = (self._ran_uptime(self._optional(f"{d}/sched", procfs.parse_sched_last_run,
+        ran_up = (self._ran_uptime(opt(f"{d}/sched", procfs.parse_sched_last_run,
                                                   "sched", denied), sched, st, tick)
                   if blocked else None)
         run_wait = None  # schedstat's (ns on a CPU, ns waiting for one), for runnable threads
@@ -208,6 +210,9 @@ class ThreadReader:
         """Close what a memo holds: its kept files and its schedstat descriptor."""
         self._kept.release(memo.stat_path)
         self._kept.release(memo.sched_path)
+        task_dir = memo.stat_path[:-len("stat")]
+        for name in _RAN_FILES:
+            self._kept.release(task_dir + name)
         if memo.sched_fd >= 0:
             self._kept.drop(memo.sched_fd)
             memo.sched_fd = -1
@@ -323,6 +328,10 @@ class ThreadReader:
                                    tick.denied)
             tick.uptime_s = up if up is not None else -1.0
         return tick.uptime_s
+
+
+# Read (kept open: ProcessesProbe._kept_optional) only when a thread ran: closed with its memo.
+_RAN_FILES = ("status", "wchan", "syscall", "stack", "sched")
 
 
 def _evolve(obs: ThreadObs, update: dict) -> ThreadObs:
