@@ -464,3 +464,33 @@ def test_net_unix_is_read_once_a_tick_for_every_process_of_a_namespace() -> None
             CountingRoots.reads = []
             probe.collect()
             assert sum(1 for r in CountingRoots.reads if r.endswith("/net/unix")) == 1, n
+
+
+READ_THEN_SLEEP = r"""
+import sys, time
+sys.stdin.readline()  # blocked in read
+print("sleeping", flush=True)
+time.sleep(3600)  # blocked in clock_nanosleep
+"""
+
+
+def test_a_thread_that_ran_is_read_afresh_through_the_same_kept_descriptors(root):
+    """A thread that ran between two collects has its wchan, syscall and stack read again: the
+    second reading is new (read -> clock_nanosleep), yet comes through the descriptors the
+    first kept open (one pread each), not through new opens. Root: the stack is root's to read."""
+    with spawned([sys.executable, "-c", READ_THEN_SLEEP], stdin=subprocess.PIPE,
+                 stdout=subprocess.PIPE) as proc:
+        pid = proc.pid
+        wait_until(lambda: task_state(pid) == "S", what="the job to block in read")
+        probe = ProcessesProbe(Target(pids=(pid,)))
+        wait_until(lambda: thread(probe, pid, pid).syscall == "read", what="read to be seen")
+        before = {fd: f for fd, f in open_proc_files().items() if f"/task/{pid}/" in f}
+        go(proc)
+        assert proc.stdout.readline() == b"sleeping\n"
+        seen = wait_until(lambda: (t := thread(probe, pid, pid)).syscall == "clock_nanosleep" and t,
+                          what="clock_nanosleep to be seen")
+        after = {fd: f for fd, f in open_proc_files().items() if f"/task/{pid}/" in f}
+    names = {f.rsplit("/", 1)[1] for f in before.values()}
+    assert {"wchan", "syscall", "stack", "sched"} <= names, before
+    assert {fd: f for fd, f in after.items() if fd in before} == before  # the same descriptors
+    assert seen.wchan != "" and seen.stack and seen.state == "S"
