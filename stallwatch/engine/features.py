@@ -113,6 +113,10 @@ def known_rate(snap: Snapshot) -> tuple[float, str]:
     procs = snap.processes.processes if snap.processes else ()
     main = next((p for p in procs if p.role == "target" and p.state not in ("Z", "X")), None)
     ran_s = snap.t_wall - main.start_time if main else 0.0
+    if log.idle_s is not None and log.idle_s > ran_s:
+        # The last progress is older than the process: the count is an earlier run's (a job
+        # resumed with its log appended to), none of it made in the ran_s this one has run.
+        return -1.0, ""
     if main is not None and done > 0 and ran_s > 0:
         return done / ran_s, f"done {done:.0f} ÷ {ran_s:.0f} s since pid {main.pid} started"
     return -1.0, ""
