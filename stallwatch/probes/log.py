@@ -11,7 +11,6 @@ Not thread-safe: the collector's DeadlineRunner never overlaps two calls of one 
 from __future__ import annotations
 
 import os
-import statistics
 from collections import deque
 from itertools import pairwise
 from typing import Literal
@@ -173,6 +172,8 @@ class LogProbe:
         self._root = RootCauseTracker()  # torchrun's "Root Cause (first observed failure)"
         self._side: dict[str | None, float | int] = {}
         self._side_moved = False  # another bar of the log moved: a change, though the sum did not
+        self._cadence_key: tuple[object, ...] | None = None
+        self._cadence_obs: Cadence | None = None
 
     def new_run(self) -> None:
         """The job was restarted: what was learned about the old run's rhythm is void (the
@@ -384,28 +385,34 @@ class LogProbe:
     # -- derived values
 
     def _cadence(self) -> Cadence | None:
-        xs = list(self._intervals)
-        if not xs:
+        if not self._intervals:
             return None
         source: CadenceSource
         if not self._estimated:
             source = "observed"
         else:
             source = self._history_source if not self._observed else "mixed"
-        return Cadence(
-            median_s=statistics.median(xs), p90_s=_p90(xs), max_s=max(xs), samples=len(xs),
-            source=source, outliers=self._outliers_total,
-            last_outlier_s=self._outliers[-1][1] if self._outliers else None,
-        )
+        key = (tuple(self._intervals), source, self._outliers_total,
+               self._outliers[-1][1] if self._outliers else None)
+        if key != self._cadence_key:  # the model is rebuilt only when what it says changed
+            xs = sorted(key[0])  # one sort for all three: statistics.median and _p90 each sort
+            n = len(xs)
+            median = xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2  # as statistics.median
+            self._cadence_key, self._cadence_obs = key, Cadence(
+                median_s=median, p90_s=_p90(xs), max_s=xs[-1], samples=n,
+                source=source, outliers=self._outliers_total, last_outlier_s=key[3],
+            )
+        return self._cadence_obs
 
     def _rate(self, now: float, cadence: Cadence | None) -> float | None:
         if len(self._samples) < 2:
             return None
         window = max(self.rate_window_s, 3 * cadence.max_s if cadence else 0.0)
         base = self._samples[0]
-        for s in self._samples:  # the latest sample at or before the window start
+        for s in reversed(self._samples):  # the latest sample at or before the window start
             if s[0] <= now - window:
                 base = s
+                break
         span = now - base[0]
         if span <= 0:
             return None
