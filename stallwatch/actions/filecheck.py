@@ -279,7 +279,8 @@ def _torch() -> Any:
             # collection of the daemon walked them again (50 ms each), and so did its teardown
             # at exit: its stop after SIGTERM took 2.5 s beside six CPU hogs on two cores and
             # 20 s at a load of 34 (the unit's TimeoutStopSec is 30 s). Moved once to the
-            # permanent generation, after a collection, they are skipped: 0.9 s beside the hogs.
+            # permanent generation, after a collection, they are skipped: 0.9 s beside the hogs
+            # (torch is imported well after daemon/gcpolicy.py froze the start-up objects).
             gc.collect()
             gc.freeze()
     return _torch_mod or None
