@@ -149,7 +149,10 @@ def outcome(live: dict[str, Outcome], name: str) -> dict:
 def assert_common(d: Diagnosis, kind: str, rc: int) -> None:
     assert d.kind == kind, d
     assert d.rc == rc, d
-    assert d.took_s < 20, f"diagnose took {d.took_s:.1f} s"
+    # A bound that catches a one-shot waiting on a hung probe, not one that depends on the CPU
+    # share: the whole suite at -n 3 (load average 52 with the other sessions) took 21.2 and
+    # 23.6 s here for a 3 s window, 9 s for both tests alone.
+    assert d.took_s < 60, f"diagnose took {d.took_s:.1f} s"
 
 
 @uses("healthy")
