@@ -298,8 +298,14 @@ def test_a_job_over_its_tick_deadline_is_ticked_less_often_and_last() -> None:
     # A job that is not too wide, slow once (a loaded machine), keeps its cadence; slow three
     # times in a row, it is spaced too.
     for n, t in enumerate((20.0, 21.0, 22.0)):
-        Daemon._spaced(d, victim, t, t + 0.8)
+        Daemon._spaced(d, victim, t, t + 0.8, 0.7)
         assert (victim in Daemon._due_jobs(d, t + 0.9)) == (n < 2)
+    # Slow in wall time but not in CPU, however often: the machine's load, not the job's tree;
+    # its watch keeps every tick (a stall's verdict must not wait on load).
+    Daemon._spaced(d, victim, 30.0, 30.1, 0.1)
+    for t in (31.0, 32.0, 33.0, 34.0):
+        Daemon._spaced(d, victim, t, t + 0.8, 0.05)
+        assert victim in Daemon._due_jobs(d, t + 0.9)
 
 
 def test_status_shows_the_watch_warnings_as_text(tmp_path) -> None:

@@ -275,10 +275,10 @@ class Lane:
     def retire(self, keep) -> None:
         self._workers.retire(keep)
 
-    def wait(self, batch: Batch, handoff_at: float, until: float) -> None:
+    def wait(self, batch: Batch, handoff_at_mono: float, until: float) -> None:
         """Wait until every call is done or `until` (the clock's monotonic time), handing the
-        batch out when it is not done by `handoff_at`."""
-        if batch.wait(min(handoff_at, until) - self.clock.monotonic()):
+        batch out when it is not done by `handoff_at_mono`."""
+        if batch.wait(min(handoff_at_mono, until) - self.clock.monotonic()):
             return
         self.hand_out(batch)
         batch.wait(until - self.clock.monotonic())

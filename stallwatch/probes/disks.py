@@ -365,13 +365,13 @@ class DisksProbe:
 
     def _path_entry(self, path: str, kind: str, queued: tuple[Call, float], mounts: list[MountInfo],
                     tick_start: float, now: float) -> PathUsage:
-        call, queued_at = queued
+        call, queued_at_mono = queued
         facts: _FsFacts | None = None
         status, detail = ProbeStatus.ok, None
-        age = now - queued_at
+        age = now - queued_at_mono
         e = call.error
         if not call.done:
-            status = ProbeStatus.busy if queued_at < tick_start else ProbeStatus.timeout
+            status = ProbeStatus.busy if queued_at_mono < tick_start else ProbeStatus.timeout
         elif e is None:
             facts = call.value
         elif isinstance(e, FileNotFoundError):
@@ -399,7 +399,7 @@ class DisksProbe:
         )
         if facts is not None:
             entry.update(_space(facts.st), exists=facts.exists, resolved_path=facts.resolved,
-                         statvfs_latency_s=max(0.0, (call.finished or now) - (call.started or queued_at)))
+                         statvfs_latency_s=max(0.0, (call.finished or now) - (call.started or queued_at_mono)))
             if facts.shm is not None:
                 entry.update(zip(("shm_segments", "sgl_shm_segments", "sgl_shm_bytes"), facts.shm, strict=True))
         return PathUsage(**entry)
