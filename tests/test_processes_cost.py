@@ -22,7 +22,7 @@ from rigs import (FakeProc, frozen_ext4, root, spawned,  # noqa: F401 (root is a
 
 from stallwatch.clock import FakeClock
 from stallwatch.probes import processes_threads as threads_mod
-from stallwatch.probes.processes import ProcessesProbe, ThreadObs
+from stallwatch.probes.processes import ProcessesProbe, ProcessObs, ThreadObs
 from stallwatch.kernel.roots import Roots
 from stallwatch.probes.targets import Target
 
@@ -494,3 +494,22 @@ def test_a_thread_that_ran_is_read_afresh_through_the_same_kept_descriptors(root
     assert {"wchan", "syscall", "stack", "sched"} <= names, before
     assert {fd: f for fd, f in after.items() if fd in before} == before  # the same descriptors
     assert seen.wchan != "" and seen.stack and seen.state == "S"
+
+
+def test_a_process_built_unvalidated_equals_its_validation(tmp_path):
+    """ProcessObs is built without validation (processes_obs.built): on a real process, with
+    threads, open files (one written) and io, validating the same values gives an equal object
+    with the same JSON, field order and types included."""
+    job = [sys.executable, "-c", "import sys; sys.stdin.readline()"]
+    with open(tmp_path / "out.bin", "wb") as out, \
+            spawned(job, stdin=subprocess.PIPE, stdout=out) as proc:
+        wait_until(lambda: task_state(proc.pid) == "S", what="the job to block in read")
+        probe = ProcessesProbe(Target(pids=(proc.pid,)), clock=FakeClock(monotonic=5))
+        probe.collect()
+        (obs,) = probe.collect().processes
+    assert any(f.write for f in obs.open_files) and obs.io is not None and obs.threads
+    again = ProcessObs(**obs.__dict__)
+    assert again == obs and again.model_dump_json() == obs.model_dump_json()
+    assert list(again.__dict__) == list(obs.__dict__)
+    assert obs.__pydantic_fields_set__ == set(ProcessObs.model_fields)
+    assert isinstance(obs.state_since_s, float)  # an int clock still gives float durations

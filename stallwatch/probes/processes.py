@@ -37,7 +37,7 @@ from stallwatch.kernel.roots import DEFAULT_ROOTS, Absent, Denied, Roots
 from stallwatch.kernel.schedclock import SchedClock, measure_lag_s
 from stallwatch.probes import torchrun
 from stallwatch.probes.processes_obs import (ExitObs, IoObs, OpenFileObs, ProcessesObs,
-                                             ProcessObs, Role, SocketObs, ThreadObs)
+                                             ProcessObs, Role, SocketObs, ThreadObs, built)
 from stallwatch.probes.processes_state import _Caps, _Exit, _Member, _ThreadMemo, _Tick, _Track
 from stallwatch.probes.processes_threads import STAT_EVERY_TICKS, ThreadReader
 from stallwatch.probes.processes_tree import TreeWalk
@@ -194,7 +194,8 @@ class ProcessesProbe(TreeWalk, ThreadReader):
                 ))
 
     def collect(self) -> ProcessesObs:
-        tick = _Tick(now=self.clock.monotonic(), number=self._collects)
+        # float: every duration below is one, and ProcessObs is built unvalidated (built)
+        tick = _Tick(now=float(self.clock.monotonic()), number=self._collects)
         self._parsed_before, self._parsed = self._parsed, {}
         self._collects, self._tick_tracks = self._collects + 1, 0
         stats = self._scan(tick)
@@ -406,7 +407,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             # readable io file is that same permission, so 0 here is a real exit status.
             exit_code = procfs.decode_wait_status(st.exit_code)
         files, truncated, sockets = self._files(pid, fds, tick)
-        return ProcessObs(
+        return built(ProcessObs, dict(
             pid=pid, ppid=st.ppid, pgid=st.pgid, sid=st.sid, role=role,
             uid=status.uid if status else None,
             start_ticks=st.start_ticks, start_time=self._start_time(st.start_ticks),
@@ -428,7 +429,8 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             num_fds=None if fds is None else len(fds),
             open_files=files, open_files_truncated=truncated, tcp=sockets, exit_code=exit_code,
             threads=tuple(threads), threads_truncated=len(tids) > limit,
-        )
+            launcher=False, rank=None,
+        ))
 
     # -------------------------------------------------------------------------- files, sockets
 

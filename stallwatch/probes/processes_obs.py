@@ -3,13 +3,32 @@ exits (moved out of probes/processes.py as they were)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 from stallwatch.model import Frozen
 from stallwatch.probes import torchrun
 from stallwatch.probes.runqueue import RunQueueObs
 
 Role = Literal["target", "descendant"]
+M = TypeVar("M", bound=Frozen)
+_new, _set = object.__new__, object.__setattr__
+
+
+def built(cls: type[M], values: dict[str, Any], fields_set: set[str] | None = None) -> M:
+    """cls(**values) without validation, for what the probe builds every tick from its own
+    parsers' typed values (a ProcessObs: 11.5 µs validated, 0.8 µs so). `values` must name
+    every field (a KeyError otherwise), with its declared type (tests/test_processes_cost.py
+    checks a real collect's against validation); fields_set defaults to all of them, and then
+    they are put in the declared order."""
+    if fields_set is None:  # in the declared order, as validation leaves them (dumps, repr)
+        values = {name: values[name] for name in cls.model_fields}
+    new = _new(cls)
+    _set(new, "__dict__", values)
+    _set(new, "__pydantic_fields_set__", set(values) if fields_set is None else fields_set)
+    _set(new, "__pydantic_extra__", None)
+    _set(new, "__pydantic_private__", None)
+    return new
+
 
 
 class IoObs(Frozen):

@@ -15,7 +15,7 @@ from stallwatch.kernel import procfs
 from stallwatch.kernel.procfiles import ProcFiles, ProcPaths
 from stallwatch.kernel.roots import Absent, Denied, Roots
 from stallwatch.kernel.schedclock import SchedClock
-from stallwatch.probes.processes_obs import ThreadObs
+from stallwatch.probes.processes_obs import ThreadObs, built
 from stallwatch.probes.processes_state import _ThreadMemo, _Tick
 from stallwatch.probes.runqueue import RunQueueTracker, schedstat_or_none
 
@@ -346,15 +346,7 @@ def _evolve(obs: ThreadObs, update: dict) -> ThreadObs:
 
 def _evolved(obs: ThreadObs, values: dict) -> ThreadObs:
     """A ThreadObs like `obs` with these field values (all of them: a copy of its __dict__)."""
-    new = _new(ThreadObs)
-    _set(new, "__dict__", values)
-    _set(new, "__pydantic_fields_set__", obs.__pydantic_fields_set__)
-    _set(new, "__pydantic_extra__", None)
-    _set(new, "__pydantic_private__", None)
-    return new
-
-
-_new, _set = object.__new__, object.__setattr__
+    return built(ThreadObs, values, obs.__pydantic_fields_set__)
 
 
 def _ctx(status: procfs.Status) -> tuple[int, int]:
