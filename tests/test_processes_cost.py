@@ -497,9 +497,9 @@ def test_a_thread_that_ran_is_read_afresh_through_the_same_kept_descriptors(root
 
 
 def test_a_process_built_unvalidated_equals_its_validation(tmp_path):
-    """ProcessObs is built without validation (processes_obs.built): on a real process, with
-    threads, open files (one written) and io, validating the same values gives an equal object
-    with the same JSON, field order and types included."""
+    """ProcessObs and ThreadObs are built without validation (processes_obs.built): on a real
+    process, with threads, open files (one written) and io, validating the same values gives an
+    equal object with the same JSON, field order and types included."""
     job = [sys.executable, "-c", "import sys; sys.stdin.readline()"]
     with open(tmp_path / "out.bin", "wb") as out, \
             spawned(job, stdin=subprocess.PIPE, stdout=out) as proc:
@@ -512,4 +512,8 @@ def test_a_process_built_unvalidated_equals_its_validation(tmp_path):
     assert again == obs and again.model_dump_json() == obs.model_dump_json()
     assert list(again.__dict__) == list(obs.__dict__)
     assert obs.__pydantic_fields_set__ == set(ProcessObs.model_fields)
+    for t in obs.threads:  # read afresh on first sight: built unvalidated too
+        t_again = ThreadObs(**t.__dict__)
+        assert t_again.model_dump_json() == t.model_dump_json() and t.syscall == "read"
+        assert list(t_again.__dict__) == list(t.__dict__)
     assert isinstance(obs.state_since_s, float)  # an int clock still gives float durations
