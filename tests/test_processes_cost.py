@@ -492,6 +492,8 @@ def test_a_thread_that_ran_is_read_afresh_through_the_same_kept_descriptors(root
         after = {fd: f for fd, f in open_proc_files().items() if f"/task/{pid}/" in f}
     names = {f.rsplit("/", 1)[1] for f in before.values()}
     assert {"wchan", "syscall", "stack", "sched"} <= names, before
+    # its children list, read once it ran (the first look scans /proc), is kept as well
+    assert "children" in {f.rsplit("/", 1)[1] for f in after.values()}, after
     assert {fd: f for fd, f in after.items() if fd in before} == before  # the same descriptors
     assert seen.wchan != "" and seen.stack and seen.state == "S"
 

@@ -26,7 +26,7 @@ import os
 import resource
 import weakref
 
-from stallwatch.kernel.roots import Roots, _raise_mapped
+from stallwatch.kernel.roots import Absent, Roots, _raise_mapped
 
 READ_LIMIT = 16384  # stat, schedstat: well under a page
 SCHEDSTAT_LIMIT = 128  # schedstat: three u64s in decimal, at most 62 bytes; a smaller buffer is a
@@ -86,6 +86,18 @@ class ProcFiles:
         self._read_sweep[path] = self._sweeps
         return data
 
+    def read_task_file(self, path: str) -> bytes:
+        """read() for a file read only when its task ran (a thread's wchan, stack, children):
+        within half the budget (see read), and opened afresh once when the kept descriptor
+        fails, since its task has ended and the number may be another task's by now."""
+        kept = path in self._fds
+        try:
+            return self.read(path, 0.5)
+        except Absent:
+            if not kept:
+                raise
+            return self.read(path, 0.5)
+
     def _open(self, path: str) -> tuple[int, int | None]:
         """(a plain descriptor, None) or (-1, one at or above FD_FLOOR)."""
         try:
@@ -143,10 +155,6 @@ class ProcFiles:
         fd = self._fds.pop(path, None)
         if fd is not None:
             os.close(fd)
-
-    def holds(self, path: str) -> bool:
-        """Whether a descriptor is kept on this file (read() would pread it)."""
-        return path in self._fds
 
     def __len__(self) -> int:
         return len(self._fds) + len(self._taken)

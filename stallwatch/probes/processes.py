@@ -298,15 +298,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         to its task, so a reused tid never reads another's). They may fill half the kept budget
         only (ProcFiles.read's share); _forget_memo closes them with the thread's memo."""
         try:
-            kept = self._kept.holds(path)
-            try:
-                raw = self._kept.read(path, 0.5)
-            except Absent:
-                if not kept:
-                    raise
-                # A descriptor kept on a task that ended fails (and is closed); the number may
-                # be another task's by now: it is opened afresh once.
-                raw = self._kept.read(path, 0.5)
+            raw = self._kept.read_task_file(path)
         except Absent:
             return None
         except Denied:

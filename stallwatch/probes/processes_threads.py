@@ -330,8 +330,8 @@ class ThreadReader:
         return tick.uptime_s
 
 
-# Read (kept open: ProcessesProbe._kept_optional) only when a thread ran: closed with its memo.
-_RAN_FILES = ("status", "wchan", "syscall", "stack", "sched")
+# Read (kept open: ProcFiles.read_task_file) only when a thread ran: closed with its memo.
+_RAN_FILES = ("status", "wchan", "syscall", "stack", "sched", "children")
 
 
 def _evolve(obs: ThreadObs, update: dict) -> ThreadObs:

@@ -145,7 +145,7 @@ class TreeWalk:
                         out.extend(m.kids)
                         continue
                 try:
-                    kids = [int(k) for k in self.roots.read_small(
+                    kids = [int(k) for k in self._kept.read_task_file(
                         paths.task(pid, tid, "children")).split()]
                 except Absent:
                     continue
@@ -175,7 +175,7 @@ class TreeWalk:
                     out.extend(m.kids)
                 continue
             try:
-                kids = [int(k) for k in self.roots.read_small(
+                kids = [int(k) for k in self._kept.read_task_file(
                     self._paths.task(pid, m.tid, "children")).split()]
             except Absent:
                 continue
