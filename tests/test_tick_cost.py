@@ -14,6 +14,7 @@ from stallwatch.daemon.config import load_config
 from stallwatch.daemon.core import Daemon
 from stallwatch.daemon.state import StateDB
 from stallwatch.kernel import safefs
+from stallwatch.probes.base import DeadlineRunner
 
 from rigs import wait_until
 
@@ -36,6 +37,14 @@ def test_the_pid_file_is_reread_while_its_process_lives_only_every_recheck(
         return real_open(path, *a, **kw)
 
     monkeypatch.setattr(safefs, "open_file", counting_open)
+    batches: list[tuple[str, ...]] = []  # the names of each batch handed to the probe lane
+    real_call_many = DeadlineRunner.call_many
+
+    def recording_call_many(self, calls):
+        batches.append(tuple(c[0] for c in calls))
+        return real_call_many(self, calls)
+
+    monkeypatch.setattr(DeadlineRunner, "call_many", recording_call_many)
     first, second, third = _sleeper(), _sleeper(), _sleeper()
     pid_file.write_text(f"{first.pid}\n")
     cfg = tmp_path / "sw.toml"
@@ -56,11 +65,15 @@ def test_the_pid_file_is_reread_while_its_process_lives_only_every_recheck(
     try:
         assert d.started.wait(30)
         wait_until(lambda: pid() == first.pid, 20, "the first process adopted")
-        ticks0, reads0, t0 = d.ticks, len(reads), time.monotonic()
+        ticks0, reads0, t0, batches0 = d.ticks, len(reads), time.monotonic(), len(batches)
         wait_until(lambda: d.ticks - ticks0 >= 20, 30, "20 ticks")
         ticks, wall_s = d.ticks - ticks0, time.monotonic() - t0
         # Once a second (the recheck), not once a tick (10 a second).
         assert len(reads) - reads0 <= wall_s / 1.0 + 2, (len(reads) - reads0, ticks, wall_s)
+        # While its process lives, the re-check rides the probes' batch: no handoff of its own.
+        alive = batches[batches0:]
+        assert ("pid_file-j",) not in alive, alive
+        assert any("pid_file-j" in b and "processes" in b for b in alive), alive
         # A new pid while the old process lives: adopted at the next recheck.
         pid_file.write_text(f"{second.pid}\n")
         wait_until(lambda: pid() == second.pid, 10, "the second process adopted")

@@ -74,9 +74,11 @@ class JobRunner(JobRun):
             self._poll_run()
             if self._ended_by_slurm():
                 return
-        elif self.cfg.pid_file is not None:
-            self._poll_pid_file(self.cfg.pid_file)
-        snap = self._ensure_collector().tick()
+        recheck = None
+        if not self.cfg.supervised and self.cfg.pid_file is not None:
+            recheck = self._poll_pid_file(self.cfg.pid_file)
+        collector = self._ensure_collector()
+        snap = collector.tick(also=recheck)
         self._say_log_refused(snap)
         v = features(snap)
         ev = self.evaluator.evaluate(v, snap.t_mono)
@@ -109,6 +111,10 @@ class JobRunner(JobRun):
                 self.recovery = None
         self._settle(verdict)
         self._forget_streak_after_a_good_run()
+        if recheck is not None and self.cfg.pid_file is not None:
+            # Last: this tick's rows and actions are about the process it collected; a new pid
+            # is the next tick's target (and the job row's pid from then on, not one tick back).
+            self.take_pid_file(self.cfg.pid_file, collector.also_got)
 
     def _ended_by_slurm(self) -> bool:
         """True while the job's abnormal exit may be Slurm ending its allocation (the answer is

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,8 @@ PID_FILE_MAX_BYTES = 64  # "12345\n" and then some: a pid file is never more
 # (a read costs a worker-thread handoff: the file is on the job's filesystem, which may hang);
 # every tick until then and from the tick its process is seen gone (issue 17).
 PID_FILE_RECHECK_S = 5.0
+# A pid-file read for the collector's batch: (call name, function, deadline in seconds).
+PidFileCall = tuple[str, Callable[[], tuple[int | None, str, int | None]], float]
 
 
 class JobRun(JobIncidents):
@@ -370,7 +373,9 @@ class JobRun(JobIncidents):
                                  advice=("read the end of the job's log for how it ended",))
         log.warning("job %s: %s", self.name, why)
 
-    def _pid_file_due(self) -> bool:
+    def _pid_file_due(self) -> str:
+        """"now": read it before collecting (no live process of it known); "batch": the re-check
+        while its process lives, which may ride the collector's batch; "": not due."""
         now = self.clock.monotonic()
         snap = self.last_snap
         alive = self._pid_file_pid is not None and snap is not None and any(
@@ -378,14 +383,30 @@ class JobRun(JobIncidents):
             for p in (snap.processes.processes if snap.processes is not None else ()))
         if alive and self._pid_file_read_mono is not None \
                 and now - self._pid_file_read_mono < PID_FILE_RECHECK_S:
-            return False
+            return ""
         self._pid_file_read_mono = now
-        return True
+        return "batch" if alive else "now"
 
-    def _poll_pid_file(self, path: Path) -> None:
-        if not self._pid_file_due():
-            return
+    def _poll_pid_file(self, path: Path) -> PidFileCall | None:
+        """Read the pid file now when no live process of it is known. The re-check while its
+        process lives (every PID_FILE_RECHECK_S) is returned instead, for the caller to run in
+        the collector's batch (Collector.tick `also`) and give its answer to `take_pid_file`:
+        a handoff of its own cost the main thread more than the read (issue 17: ~0.6 ms a
+        re-check on a loaded machine). A new pid is then adopted at the end of that tick,
+        a tick later than by a read before it, and read once more before the next (that tick's
+        snapshot does not show the new process yet)."""
+        due = self._pid_file_due()
+        if not due:
+            return None
+        call = (f"pid_file-{self.name}", self._pid_file_reader(path), 2.0)
+        if due == "batch":
+            return call
+        got, _rep = self._ensure_collector().runner.call(*call)
+        self.take_pid_file(path, got)
+        return None
 
+    @staticmethod
+    def _pid_file_reader(path: Path) -> Callable[[], tuple[int | None, str, int | None]]:
         def read() -> tuple[int | None, str, int | None]:
             """(pid, why refused, the file's owner): the file is the job user's to forge, so
             it is read as safefs reads that side: no link followed, a regular file only, and
@@ -409,7 +430,10 @@ class JobRun(JobIncidents):
             except (ValueError, IndexError):
                 return None, f"{path}: no pid in its first {len(data)} bytes", None
 
-        got, _rep = self._ensure_collector().runner.call(f"pid_file-{self.name}", read, 2.0)
+        return read
+
+    def take_pid_file(self, path: Path, got: tuple[int | None, str, int | None] | None) -> None:
+        """The pid file's answer (None: the read did not end in time): attach to a new pid."""
         pid, why, owner = got if got else (None, "", None)
         if pid is not None and pid == self._pid_file_pid:
             return
