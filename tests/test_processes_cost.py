@@ -485,11 +485,17 @@ def test_a_thread_that_ran_is_read_afresh_through_the_same_kept_descriptors(root
         probe = ProcessesProbe(Target(pids=(pid,)))
         wait_until(lambda: thread(probe, pid, pid).syscall == "read", what="read to be seen")
         before = {fd: f for fd, f in open_proc_files().items() if f"/task/{pid}/" in f}
+        probe.collect()  # it slept since: its status is read as the process's
+        assert f"/proc/{pid}/status" in open_proc_files().values()
         go(proc)
         assert proc.stdout.readline() == b"sleeping\n"
         seen = wait_until(lambda: (t := thread(probe, pid, pid)).syscall == "clock_nanosleep" and t,
                           what="clock_nanosleep to be seen")
         after = {fd: f for fd, f in open_proc_files().items() if f"/task/{pid}/" in f}
+        # the process's status is its main thread's, read as that thread ran: not read again
+        assert f"/proc/{pid}/status" not in open_proc_files().values()
+        (process,) = probe.collect().processes
+        assert process.uid == os.getuid() and process.rss_bytes
     names = {f.rsplit("/", 1)[1] for f in before.values()}
     assert {"wchan", "syscall", "stack", "sched"} <= names, before
     # its children list, read once it ran (the first look scans /proc), is kept as well

@@ -370,7 +370,8 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         if not threads:
             return None
         leader = next((t for t in threads if t.tid == pid), None)
-        status = self._kept_parsed(f"{d}/status", procfs.parse_status, "status", tick.denied)
+        status = tick.leader_status.get(pid) or self._kept_parsed(
+            f"{d}/status", procfs.parse_status, "status", tick.denied)
         io = self._kept_parsed(f"{d}/io", procfs.parse_io, "io", tick.denied)
         cwd = self._link(f"{d}/cwd", "cwd", tick)
 

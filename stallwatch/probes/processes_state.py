@@ -109,6 +109,9 @@ class _Tick:
     rows: dict[int, list[_ThreadMemo]] = field(default_factory=dict)
     number: int = 0  # collects before this one: picks the idle threads whose stat is re-read
     memos_seen: int = 0  # thread memos stamped this tick: _forget rebuilds only when some are stale
+    # pid -> its main thread's task/PID/status, when read this tick (it ran): the process's own
+    # status is the same rendering of the same task, so it is not read and parsed again.
+    leader_status: dict[int, procfs.Status] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -139,6 +139,8 @@ class ThreadReader:
                     self._kept.read(f"{d}/status", 0.5).decode("utf-8", "replace"))
         except (Absent, Denied):
             return None
+        if tid == pid:
+            tick.leader_status[pid] = status
         ctx = _ctx(status)
         tr, _, cpu_delta = self._track(("t", tid, st.start_ticks), now, st.state, sum(ctx),
                                        st.utime_ticks + st.stime_ticks)
