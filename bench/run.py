@@ -30,7 +30,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import detection, gpu_live, gpu_traces, overhead
+from bench import coldcache, detection, gpu_live, gpu_traces, overhead
 from bench.common import ROOT, dump, loadavg, machine, rnd
 
 # "outputs": growth's outputs-count rows alone (both trees), for a change to that probe only
@@ -244,6 +244,11 @@ def render(res: dict[str, Any]) -> str:
     m = res["machine"]
     parts.append(f"stallwatch bench ({res['mode']}), {m['nproc']} x {m['cpu_model']}, kernel {m['kernel']}, "
                  f"Python {m['python']}, load {res['load_at_start']} -> {res['load_at_end']}")
+    cold = res.get("host_cold") or {}
+    if cold:
+        parts.append("Host: a small Python op costs " + ", ".join(
+            f"{c['factor_1s']} x its back-to-back time after a 1 s sleep at the {when}"
+            for when, c in cold.items()) + " (bench/coldcache.py).")
     parts.append(table("Targets (issue 7) against this run", ["target", "bound", "measured", "met", "note"],
                        [[t["target"], t["bound"], t["measured"], {True: "yes", False: "NO", None: "-"}[t["met"]],
                          t["note"]] for t in res["targets"]]))
@@ -385,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
                            "baseline": ({"src": str(a.baseline_src)} if a.baseline_src else
                                         {"git": a.baseline_git} if a.baseline_git else None),
                            "params": P}
+    if mode != "smoke":  # ~7 s each: what a 1 s sleep costs a small op on this host (coldcache.py)
+        res["host_cold"] = {"start": coldcache.measure()}
     t0 = time.monotonic()
     try:
         if "overhead" in want:
@@ -429,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
         if tmp_base is not None:
             shutil.rmtree(tmp_base, ignore_errors=True)
     res["load_at_end"] = loadavg()
+    if "host_cold" in res:
+        res["host_cold"]["end"] = coldcache.measure()
     res["duration_s"] = rnd(time.monotonic() - t0, 1)
     res["targets"] = targets(res)
     print(render(res))
