@@ -3,7 +3,8 @@ timers (engine/alerting.py `Evaluator.export`/`restore`, after Prometheus' Resto
 each rule's health for `stallwatch status`.
 
 Two meta rows per job, written only when they change (not every tick: the timers are stored as
-wall-clock anchors, which do not move while an alert stays put):
+wall-clock anchors, which do not move while an alert stays put), in the daemon's one transaction
+of the tick (StateDB.held):
 - `alerts:<job>`: the pending and firing instances, `{"rule", "labels", "state", "active_at",
   "fired_at"}` with wall times;
 - `rules:<job>`: `[{"rule", "health", "last_error"}]`, one per rule, in rule-file order.
@@ -76,7 +77,7 @@ class AlertMemory:
     def save(self, evaluator: Evaluator, now: float, now_wall: float) -> None:
         docs = evaluator.export(now, now_wall)
         if self._alerts is None or _moved(self._alerts, docs):
-            self.db.set_meta(alerts_key(self.job), json.dumps(docs))
+            self.db.set_metas_later({alerts_key(self.job): json.dumps(docs)})
             self._alerts = docs
         last = self._health_seen
         if last is not None and last[0] is evaluator and last[1] == evaluator.health_changes:
@@ -84,10 +85,11 @@ class AlertMemory:
         health = [{"rule": h.rule, "health": h.health.value, "last_error": h.last_error}
                   for h in evaluator.health()]
         if health != self._health:
-            self.db.set_meta(rules_key(self.job), json.dumps(health))
+            self.db.set_metas_later({rules_key(self.job): json.dumps(health)})
             self._health = health
         self._health_seen = (evaluator, evaluator.health_changes)  # after the write: a failed
-        # one is tried again next tick
+        # one is tried again next tick (a held one fails with the tick's transaction, and stays
+        # held for the next: StateDB.held)
 
 
 def _moved(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> bool:

@@ -110,6 +110,7 @@ class Daemon:
         self._job_errors: dict[str, tuple[str, float, int]] = {}  # job -> (error, logged at, n)
         self._write_back_mono = 0.0
         self._pruned_mono: float | None = None  # when saved alert state was last pruned
+        self._tick_dur = 0.0  # the last tick's duration (s), for what follows its write
 
     # ------------------------------------------------------------------------------- control
 
@@ -277,6 +278,26 @@ class Daemon:
             self.shutdown()
 
     def tick(self) -> None:
+        # Every row the tick rewrites each time (job verdicts, alert memory, history, the meta
+        # rows below) goes out in one transaction at its end (StateDB.held): at 1 s, each
+        # transaction is cold memory. Intents, incidents and phases are still written at once.
+        db = self._db
+        if db is None:
+            self._tick()
+        else:
+            with db.held():
+                self._tick()
+            try:
+                db.flush()
+            except Exception as e:  # noqa: BLE001 - the held rows are a report: a failed write is logged, they stay held for the next transaction, the tick goes on
+                self._tick_failed("(the tick's rows)", e)
+        try:
+            self._prune_alert_state()
+        except Exception as e:  # noqa: BLE001 - old rows left for the next look, the watch goes on
+            self._tick_failed("(pruning removed jobs' saved alert state)", e)
+        self._after_tick()
+
+    def _tick(self) -> None:
         t0 = self.clock.monotonic()
         for runner in self._due_jobs(t0):
             t_job, cpu_job = self.clock.monotonic(), time.process_time()
@@ -302,14 +323,14 @@ class Daemon:
                 alerts = json.dumps(_jsonable(self.dispatcher.status()), default=str)
                 if alerts != self._alerts_row:  # the sinks' health: written when it changed
                     rows["alerts"] = alerts
-            self.db.set_metas(rows)
+            self.db.set_metas_later(rows)
             self._alerts_row = rows.get("alerts", self._alerts_row)
         except Exception as e:  # noqa: BLE001 - the meta rows are a report: a failure to write them is logged, the tick goes on
             self._tick_failed("(the tick's meta rows)", e)
-        try:
-            self._prune_alert_state()
-        except Exception as e:  # noqa: BLE001 - old rows left for the next look, the watch goes on
-            self._tick_failed("(pruning removed jobs' saved alert state)", e)
+        self._tick_dur = dur
+
+    def _after_tick(self) -> None:
+        dur = self._tick_dur
         status = self.summary()
         healthy = dur <= self.config.daemon.tick_deadline_s
         if not healthy:

@@ -10,7 +10,6 @@ acting: recover with stallwatch.daemon.recovery, or settle).
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -22,7 +21,8 @@ from stallwatch.engine.alerting import Verdict
 from stallwatch.engine.features import features
 from stallwatch.engine.history import sample
 from stallwatch.daemon.jobrun import JobRun
-from stallwatch.daemon.jobstate import HISTORY_SAVE_S, HISTORY_WINDOW_S, TERMINAL, verdict_doc
+from stallwatch.daemon.jobstate import HISTORY_SAVE_S, HISTORY_WINDOW_S, TERMINAL
+from stallwatch.daemon.verdictjson import VerdictJson
 from stallwatch.vocab import JobPhase
 
 log = logging.getLogger("stallwatch.daemon")
@@ -30,6 +30,10 @@ log = logging.getLogger("stallwatch.daemon")
 
 class JobRunner(JobRun):
     """One job: observe, judge, remember, act, once per tick (the layers: daemon/jobstate.py)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._verdict_json = VerdictJson()  # the job row's verdict, dumped when it changed
 
     def update(self, cfg: JobConfig, rules: RuleSet, *, rules_changed: bool) -> None:
         """A reload changed this job. What it watches applies now; how it is started applies at
@@ -158,7 +162,8 @@ class JobRunner(JobRun):
             self._history_saved_mono = now
             if self.history.added != self._history_saved_n:  # else the row says it already
                 self._history_saved_n = self.history.added
-                self.db.set_meta(f"history:{self.name}", self.history.docs_json(HISTORY_WINDOW_S))
+                self.db.set_metas_later(
+                    {f"history:{self.name}": self.history.docs_json(HISTORY_WINDOW_S)})
 
     def _say_log_refused(self, snap: Any) -> None:
         """A log the probe refuses (a symlink, a file the job's user cannot read: security.md
@@ -171,11 +176,10 @@ class JobRunner(JobRun):
                 log.warning("job %s: log refused: %s", self.name, why)
 
     def _persist(self, snap: Any, verdict: Verdict) -> None:
-        doc = verdict_doc(verdict, snap.t_wall)
-        if self.watch_warnings:
-            doc["watch_warnings"] = self.watch_warnings
-        fields: dict[str, Any] = {"verdict_json": json.dumps(doc),
-                                  "verdict_at": snap.t_wall}
+        # Held for the daemon's one transaction a tick (StateDB.held); the same verdict as last
+        # tick is not dumped again (daemon/verdictjson.py).
+        text = self._verdict_json.text(verdict, snap.t_wall, self.watch_warnings)
+        fields: dict[str, Any] = {"verdict_json": text, "verdict_at": snap.t_wall}
         if snap.kernel is not None and snap.kernel.cursor is not None:
             fields["kmsg_cursor"] = snap.kernel.cursor
             fields["kmsg_boot_id"] = self.opts.boot_id
@@ -185,4 +189,4 @@ class JobRunner(JobRun):
             fields["pid"] = pid
             if p is not None:
                 fields["start_ticks"] = p.start_ticks
-        self.db.update_job(self.name, **fields)
+        self.db.update_job_later(self.name, **fields)

@@ -147,6 +147,11 @@ class StateDB:
         self.path = path
         self._clock = clock
         self._depth = 0
+        # Writes held for the tick's one transaction (`held`, `update_job_later`,
+        # `set_metas_later`): job name -> columns, meta key -> value; the latest value wins.
+        self._holding = 0
+        self._held_jobs: dict[str, dict[str, Any]] = {}
+        self._held_meta: dict[str, str | None] = {}
 
     # ------------------------------------------------------------------------------ opening
 
@@ -278,6 +283,10 @@ class StateDB:
         return cls(conn, path)
 
     def close(self) -> None:
+        try:
+            self.flush()
+        except sqlite3.Error as e:  # closing: what the last tick held is lost, as on a crash
+            log.warning("state database: the last tick's rows cannot be written: %s", e)
         self.conn.close()
 
     @property
@@ -304,6 +313,7 @@ class StateDB:
         self.conn.execute("BEGIN IMMEDIATE")
         self._depth = 1
         try:
+            self._write_held()  # first: every write after them is newer
             yield self.conn
         except BaseException:
             self._depth = 0
@@ -315,6 +325,45 @@ class StateDB:
         except BaseException:
             self._rollback()  # never leave a transaction open: every later BEGIN would fail
             raise
+        # Committed with it (nothing is held while a transaction is open: see `_hold`).
+        self._held_jobs.clear()
+        self._held_meta.clear()
+
+    # ------------------------------------------------------------------------- held writes
+    # At a 1 s cadence each SQLite transaction is cold memory (the library, its page cache, the
+    # WAL): the rows a tick rewrites every time (the job's verdict, the daemon's last tick) are
+    # held and written in the tick's one transaction, with whatever else the tick wrote. Held
+    # rows go out with the next transaction of any kind, first in it, so a later write of the
+    # same column wins; a failed transaction keeps them for the next. Reads of this connection
+    # see them at once (`job`, `jobs`, `get_meta`, `meta`); other connections (`status`) when
+    # the tick ends. Only rows a crash may lose one tick of are held: an intent, an incident or
+    # a phase is written at once, as before.
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Inside, the `*_later` writes are held: the next transaction, or `flush`, writes them."""
+        self._holding += 1
+        try:
+            yield
+        finally:
+            self._holding -= 1
+
+    def flush(self) -> None:
+        """Write the held rows now, in one transaction (none when nothing is held)."""
+        if (self._held_jobs or self._held_meta) and not self._depth:
+            with self.tx():
+                pass
+
+    def _hold(self) -> bool:
+        """True when a `*_later` write is to be held; else it is written at once (outside a
+        `held` block, or inside an open transaction, which it joins)."""
+        return self._holding > 0 and not self._depth
+
+    def _write_held(self) -> None:
+        for name, fields in self._held_jobs.items():
+            self._update_job_now(name, fields)
+        for key, value in self._held_meta.items():
+            self.conn.execute(_SET_META, (key, value))
 
     def _rollback(self) -> None:
         try:
@@ -344,6 +393,8 @@ class StateDB:
     # ------------------------------------------------------------------------------------ meta
 
     def get_meta(self, key: str) -> str | None:
+        if key in self._held_meta:
+            return self._held_meta[key]
         r = self._one("SELECT value FROM meta WHERE key = ?", (key,))
         return r["value"] if r else None
 
@@ -360,13 +411,22 @@ class StateDB:
             for key, value in rows.items():
                 self.conn.execute(_SET_META, (key, value))
 
+    def set_metas_later(self, rows: Mapping[str, str | None]) -> None:
+        """`set_metas`, held for the tick's transaction inside `held` (see there)."""
+        if self._hold():
+            self._held_meta.update(rows)
+        else:
+            self.set_metas(rows)
+
     def delete_meta(self, *keys: str) -> None:
         with self.tx():
             self.conn.execute(f"DELETE FROM meta WHERE key IN ({', '.join('?' * len(keys))})",
                               keys)
 
     def meta(self) -> dict[str, str]:
-        return {r["key"]: r["value"] for r in self._q("SELECT key, value FROM meta")}
+        out = {r["key"]: r["value"] for r in self._q("SELECT key, value FROM meta")}
+        out.update(self._held_meta)
+        return out
 
     # ------------------------------------------------------------------------------------ jobs
 
@@ -380,23 +440,38 @@ class StateDB:
         return self.existing_job(name)
 
     def job(self, name: str) -> dict[str, Any] | None:
-        return self._one("SELECT * FROM jobs WHERE name = ?", (name,))
+        row = self._one("SELECT * FROM jobs WHERE name = ?", (name,))
+        return self._with_held(row)
 
     def existing_job(self, name: str) -> dict[str, Any]:
         """The row of a job known to be there (ensure_job made it); LookupError if it is not."""
-        return self._the_one("SELECT * FROM jobs WHERE name = ?", (name,))
+        return self._with_held(self._the_one("SELECT * FROM jobs WHERE name = ?", (name,)))
 
     def jobs(self) -> list[dict[str, Any]]:
-        return self._q("SELECT * FROM jobs ORDER BY created_at, name")
+        return [self._with_held(r) for r in self._q("SELECT * FROM jobs ORDER BY created_at, name")]
+
+    def _with_held(self, row: Any) -> Any:
+        held = self._held_jobs.get(row["name"]) if row is not None else None
+        return {**row, **held} if held else row
 
     def update_job(self, name: str, **fields: Any) -> None:
         if not fields:
             return
         fields["updated_at"] = self.now()
-        cols = ", ".join(f"{k} = ?" for k in fields)
         with self.tx():
-            self.conn.execute(f"UPDATE jobs SET {cols} WHERE name = ?",
-                              (*fields.values(), name))
+            self._update_job_now(name, fields)
+
+    def update_job_later(self, name: str, **fields: Any) -> None:
+        """`update_job`, held for the tick's transaction inside `held` (see there)."""
+        if not self._hold():
+            self.update_job(name, **fields)
+            return
+        fields["updated_at"] = self.now()
+        self._held_jobs.setdefault(name, {}).update(fields)
+
+    def _update_job_now(self, name: str, fields: Mapping[str, Any]) -> None:
+        cols = ", ".join(f"{k} = ?" for k in fields)
+        self.conn.execute(f"UPDATE jobs SET {cols} WHERE name = ?", (*fields.values(), name))
 
     def next_seq(self, name: str) -> int:
         """Reserve the next spawn number (status file and unit name) — its own transaction, so a
