@@ -203,3 +203,31 @@ def test_daemon_tick_is_one_transaction_and_status_reads_it(tmp_path: Path) -> N
         sleeper.kill()
         sleeper.wait(10)
         d.shutdown()
+
+
+def test_history_json_made_at_the_save_matches_its_docs_across_the_ring() -> None:
+    from stallwatch.engine.history import History, Sample
+
+    h = History(keep=7)
+    dumps = []
+    real = json.dumps
+
+    def counting(x: Any, *a: Any, **k: Any) -> str:
+        dumps.append(x)
+        return real(x, *a, **k)
+
+    import stallwatch.engine.history as hist
+    hist.json.dumps, saved = counting, hist.json.dumps
+    try:
+        saved_n = 0
+        for i in range(40):
+            h.add(Sample(t=float(i), done=float(i), cpu_cores=0.5 if i % 2 else None))
+            assert not dumps  # adding a sample dumps nothing
+            if i % 5 in (0, 3) or i in (20, 21, 22):  # saves between 1 and 12 samples apart
+                got = h.docs_json(None)
+                assert got == real(h.docs(None)) and h.docs_json(3.0) == real(h.docs(3.0))
+                assert len(dumps) == min(h.added - saved_n, 7)  # each new sample once
+                saved_n = h.added
+                dumps.clear()
+    finally:
+        hist.json.dumps = saved

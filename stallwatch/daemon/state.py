@@ -7,7 +7,10 @@ What it must survive: a daemon killed with SIGKILL at any instant, then started 
   second transaction. On start-up `pending` intents are reconciled with reality (is there a
   process for that restart? then it happened; else it did not) — so a restart is counted exactly
   once, in the transaction that completes it;
-- a process is identified by (pid, start_ticks), never by pid alone: a reused pid is a stranger.
+- a process is identified by (pid, start_ticks), never by pid alone: a reused pid is a stranger;
+- the rows every tick rewrites (a job's verdict, the last tick) are held and go out in the
+  tick's one transaction (`held`, `update_job_later`, `set_metas_later`): a SIGKILL mid-tick
+  loses that tick's, and the restarted daemon resumes from the tick before.
 
 WAL lets `stallwatch status` read while the daemon writes. synchronous=NORMAL: in WAL mode that
 is durable against a crash of the process (SIGKILL); only a power loss may lose the last
@@ -362,8 +365,11 @@ class StateDB:
     def _write_held(self) -> None:
         for name, fields in self._held_jobs.items():
             self._update_job_now(name, fields)
-        for key, value in self._held_meta.items():
-            self.conn.execute(_SET_META, (key, value))
+        if self._held_meta:  # one statement for them all: each is another trip into sqlite
+            rows = ", ".join(["(?, ?)"] * len(self._held_meta))
+            self.conn.execute(f"INSERT INTO meta(key, value) VALUES {rows} ON CONFLICT(key) "
+                              f"DO UPDATE SET value = excluded.value",
+                              tuple(x for kv in self._held_meta.items() for x in kv))
 
     def _rollback(self) -> None:
         try:

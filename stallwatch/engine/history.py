@@ -79,20 +79,32 @@ def _num(x: Any) -> float | None:
 class History:
     """A ring of the last `keep` samples (at 1 s a tick, 600 is ten minutes).
 
-    Each sample's JSON is made once, when it is added: the daemon saves the last five minutes
-    as one JSON row every few seconds (`docs_json`), which re-encoded 300 samples each time."""
+    Each sample's JSON is made once, by the first `docs_json` after it was added: the daemon
+    saves the last five minutes as one JSON row every few seconds, which re-encoded 300 samples
+    each time; and made then, not as each sample is added, the json module runs once a save,
+    not once a tick (at 1 s each run is cold memory: docs/performance.md)."""
 
     def __init__(self, keep: int = 600) -> None:
         self.samples: deque[Sample] = deque(maxlen=keep)
-        self._json: deque[str] = deque(maxlen=keep)  # samples[i] as JSON, for docs_json
+        self._json: deque[str] = deque(maxlen=keep)  # samples[i] as JSON, after _dump_new
         self.added = 0  # samples added so far: a saver that saw this count has nothing new
+        self._dumped = 0  # `added` when _json last caught up
 
     def add(self, s: Sample) -> None:
         if self.samples and s.t <= self.samples[-1].t:
             return  # a clock step back: keep the series monotonic rather than draw it twice
         self.samples.append(s)
-        self._json.append(json.dumps(s.doc()))
         self.added += 1
+
+    def _dump_new(self) -> None:
+        """Append the JSON of the samples added since; then _json[i] is samples[i] (both rings
+        have the same length bound, so the oldest fall off both alike)."""
+        new = min(self.added - self._dumped, len(self.samples))
+        if new:
+            start = len(self.samples) - new
+            self._json.extend(json.dumps(s.doc())
+                              for s in itertools.islice(self.samples, start, None))
+        self._dumped = self.added
 
     def _window(self, window_s: float | None) -> int:
         """The index of the first sample inside the last `window_s` seconds."""
@@ -110,6 +122,7 @@ class History:
 
     def docs_json(self, window_s: float | None = None) -> str:
         """`json.dumps(self.docs(window_s))`, from each sample's JSON made once."""
+        self._dump_new()
         start = self._window(window_s)
         return "[" + ", ".join(itertools.islice(self._json, start, None)) + "]"
 
