@@ -15,7 +15,7 @@ from collections import deque
 from itertools import pairwise
 from typing import Literal
 
-from stallwatch.probes.text.bars import BarSet, MultiBars
+from stallwatch.probes.text.bars import SAMPLE_KEYS, BarSet, MultiBars
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.model import Frozen
 from stallwatch.probes.base import ProbeStatus
@@ -23,6 +23,7 @@ from stallwatch.probes.logfollow import FollowResult, LogFollower
 from stallwatch.probes.torchrun import RootCause, RootCauseTracker
 from stallwatch.probes.text.progress import (
     ProgressEvent, ProgressParser, Traceback, TracebackTracker, fatal_kind, parse_tqdm,
+    tqdm_done,
 )
 from stallwatch.probes.text.timestamps import LineTime, gap_s, line_time
 
@@ -149,6 +150,7 @@ class LogProbe:
         self._tb = TracebackTracker()
         self._fatal: deque[FatalLine] = deque(maxlen=self.FATAL_KEEP)
         self._last: ProgressEvent | None = None
+        self._last_done: int | float = 0  # self._last.done, or a skipped redraw's since (_on_redraw)
         self._events = self._changes = 0
         self._last_change: float | None = None  # clock.monotonic() when done last changed
         self._idle_source: IdleSource | None = None
@@ -211,14 +213,27 @@ class LogProbe:
             self._on_changes(changes, r, now)
         return self._obs(r, now)
 
+    # Off only in tests: the fast path (_redraws_to_skip) must give what the full parse gives.
+    SKIP_REDRAWS = True
+
     def _consume(self, r: FollowResult) -> int:
         changes = 0
         self._tqdm_history.clear()
         self._marks.clear()
         at = self._mono_of(r.mtime_s, self.clock.monotonic()) if r.first else self.clock.monotonic()
-        for line, (ups, newline) in zip(r.lines, r.meta, strict=True):  # appended together
+        peeked_at_start = self._peeked
+        # The newest bar is often the unterminated partial line: parsed once, here.
+        partial_ev = (parse_tqdm(r.partial) if r.partial is not None and r.partial != self._peeked
+                      and self.parser.regex is None else None)
+        parsed, light = self._redraws_to_skip(r, partial_ev, peeked_at_start)
+        for i, (line, (ups, newline)) in enumerate(zip(r.lines, r.meta, strict=True)):  # appended together
             peeked, self._peeked = line == self._peeked, None
-            ev = None if peeked else self.parser.parse(line)
+            done = None if peeked else light.get(i)
+            if done is not None:  # a redraw the tick's last bar supersedes: counted, not parsed
+                changes += self._on_redraw(done)
+                self._push_tail(line, progress=True)
+                continue
+            ev = None if peeked else (parsed[i] if i in parsed else self.parser.parse(line))
             if ev is not None:
                 changes += self._on_event(self._per_rank(ev, ups, newline, at), r.first, line)
             elif not peeked:
@@ -234,12 +249,72 @@ class LogProbe:
         # its closing `]` proves the bar is whole, a cut `N/M` could read as a wrong pair.
         if r.partial is not None and r.partial != self._peeked:
             self._peeked = None
-            ev = parse_tqdm(r.partial) if self.parser.regex is None else None
-            if ev is not None:
-                changes += self._on_event(self._per_rank(ev, r.partial_ups, False, at), r.first,
+            if partial_ev is not None:
+                changes += self._on_event(self._per_rank(partial_ev, r.partial_ups, False, at), r.first,
                                           r.partial)
                 self._peeked = r.partial
         return changes
+
+    def _redraws_to_skip(self, r: FollowResult, partial_ev: ProgressEvent | None, peeked: str | None
+                         ) -> tuple[dict[int, ProgressEvent | None], dict[int, int | float]]:
+        """Which of this tick's lines are redraws of the bar that the tick's last progress line
+        (Z) redraws again: for those only `done` is read (tqdm_done, no event built, issue 17:
+        ~5 redraws a tick, each a full parse and a bar update, of which only Z's survive).
+
+        Returns (lines already parsed in full, by index; `done` of the lines to skip, by index).
+        A line is skipped only where feeding it would leave nothing that Z does not overwrite:
+        after the first read (history needs every line), without a user regex, one bar in view
+        and every line of the tick at position 0 (a second position makes the bars aggregate,
+        bars.py), that bar open, each skipped line ended by `\r` and after any bar ended by
+        `\n` (maybe a close, which Z would then not overwrite), not past Z's count and of Z's
+        total, and Z a redraw (not a close) with a rate and, unless the skipped line has no
+        postfix, the sample counts (bars.py keeps the last of each only when present).
+        tests/test_log_redraws.py holds every condition to the full parse, bar state included."""
+        parsed: dict[int, ProgressEvent | None] = {}
+        lines, meta = r.lines, r.meta
+        if (not self.SKIP_REDRAWS or r.first or self.parser.regex is not None or self._bars.active
+                or any(ups for ups, _ in meta) or r.partial_ups):
+            return parsed, {}
+        z, zi = partial_ev, len(lines)
+        if z is None:
+            for i in range(len(lines) - 1, -1, -1):
+                if i == 0 and lines[0] == peeked:
+                    break
+                z = parsed[i] = self.parser.parse(lines[i])
+                if z is not None:
+                    zi = i
+                    break
+            if z is None or meta[zi][1]:
+                return parsed, {}
+        if (z.source != "tqdm" or z.desc is None or z.desc != self._bars.desc or not z.rate_per_s
+                or not self._bars.is_open(0)):
+            return parsed, {}
+        samples = all(isinstance(z.postfix.get(k), int) for k in SAMPLE_KEYS)
+        z_done = float(z.done)
+        light: dict[int, int | float] = {}
+        for i in range(zi):
+            if i == 0 and lines[0] == peeked:
+                continue
+            got = tqdm_done(lines[i])
+            if got is None:
+                continue
+            if meta[i][1]:  # a bar ended by "\n" may be a close: what came before stays
+                light.clear()
+            elif float(got[0]) <= z_done and got[1] == z.total and (samples or not got[2]):
+                light[i] = got[0]
+        return parsed, light
+
+    def _on_redraw(self, done: int | float) -> int:
+        """_on_event for a skipped redraw (_redraws_to_skip): the same counts, no event."""
+        self._events += 1
+        changed = self._last is None or done != self._last_done or self._side_moved
+        self._side_moved = False
+        self._last_done = done  # self._last is Z's event by the tick's end
+        if not changed:
+            return 0
+        self._tb.reset()
+        self._fatal.clear()
+        return 1
 
     def _per_rank(self, ev: ProgressEvent, ups: int, newline: bool, at: float) -> ProgressEvent:
         """With bars at several positions (one per rank, bars.py), the job's progress is their
@@ -268,9 +343,9 @@ class LogProbe:
 
     def _on_event(self, ev: ProgressEvent, history: bool, line: str) -> int:
         self._events += 1
-        changed = self._last is None or ev.done != self._last.done or self._side_moved
+        changed = self._last is None or ev.done != self._last_done or self._side_moved
         self._side_moved = False
-        self._last = ev
+        self._last, self._last_done = ev, ev.done
         if history and ev.source == "tqdm":
             self._tqdm_history.append(ev)
         if not changed:

@@ -95,6 +95,10 @@ class MultiBars:
     def active(self) -> bool:
         return len(self._bars) > 1
 
+    def is_open(self, position: int) -> bool:
+        bar = self._bars.get(position)
+        return bar is not None and not bar.closed
+
     def reset(self) -> None:
         """A new run of the job (restarted): its bars start again."""
         self._bars.clear()

@@ -159,6 +159,21 @@ def parse_tqdm(line: str) -> ProgressEvent | None:
         return None
 
 
+def tqdm_done(line: str) -> tuple[int | float, int | float, bool] | None:
+    """(done, total, has a postfix) of a bar with a total, exactly as parse_tqdm reads them,
+    without the rest (rate, times, postfix, the event): for redraws whose other fields a later
+    redraw replaces (probes/log.py). None where parse_tqdm would not read such a bar."""
+    if "/" not in line or not _TQDM_HINT.search(line):
+        return None
+    m = _TQDM_TOTAL.search(line)
+    if m is None:
+        return None
+    try:
+        return _num(m["n"]), _num(m["total"]), bool(m["postfix"])
+    except ValueError:
+        return None
+
+
 def _parse_tqdm(line: str) -> ProgressEvent | None:
     m = _TQDM_TOTAL.search(line)
     if m:
