@@ -239,3 +239,72 @@ def test_disks_handed_out_of_a_late_lane_gets_the_jobs_paths_a_stuck_processes_p
         job.kill()
         job.wait()
         c.close()
+
+
+def test_a_probe_with_nothing_new_is_not_run_and_its_parts_are_reused_by_identity(monkeypatch):
+    """No driver, no retry due: the gpu probe is not run at all (not even inline), and its
+    observation and report are last tick's objects; once a retry is due it runs again."""
+    import pynvml
+    from fakes import FakeNvml
+
+    from stallwatch.clock import FakeClock
+    from stallwatch.kernel.nvml import Nvml
+
+    clock = FakeClock()
+    lib = FakeNvml([])
+    lib.init_error = pynvml.NVML_ERROR_DRIVER_NOT_LOADED
+    c = Collector(Target(name="x", pids=(os.getpid(),)), clock=clock,
+                  nvml=Nvml(lib=lib, clock=clock, retry_after_s=60))
+    runs: list[float] = []
+    real = c.gpu.collect
+    monkeypatch.setattr(c.gpu, "collect", lambda: runs.append(clock.monotonic()) or real())
+    try:
+        snaps = []
+        for _ in range(4):
+            snaps.append(c.tick())
+            clock.advance(1.0)
+        clock.advance(60.0)
+        late = c.tick()
+    finally:
+        c.close()
+    assert runs == [1000.0, 1064.0] and lib.init_calls == 2, runs
+    first = snaps[0]
+    assert first.gpu is not None and first.gpu.status == "no_driver"
+    for s in snaps[1:]:
+        assert s.gpu is first.gpu and s.probe("gpu") is first.probe("gpu")
+        assert s.probe("gpu").status == "absent" and s.probe("processes") is not first.probe("processes")
+    # The retry ran and got the same answer: still the same object, dated when first given.
+    assert late.gpu is first.gpu and late.gpu.collected_at == first.t_wall
+
+
+def test_the_unvalidated_snapshot_equals_a_validated_build():
+    """Collector.tick builds its Snapshot with model_construct: the same parts validated give an
+    equal model of the same types, and its JSON reads back equal."""
+    from stallwatch.probes.snapshot import Snapshot
+
+    c = Collector(Target(name="x", pids=(os.getpid(),)), gpu=True)
+    try:
+        snap = c.tick()
+    finally:
+        c.close()
+    parts = {name: getattr(snap, name) for name in snap.model_fields_set}
+    validated = Snapshot(**parts)
+    assert snap == validated and snap.model_fields_set == validated.model_fields_set
+    assert {n: type(getattr(snap, n)) for n in Snapshot.model_fields} == \
+        {n: type(getattr(validated, n)) for n in Snapshot.model_fields}
+    assert snap.model_dump_json() == validated.model_dump_json()
+    assert Snapshot.model_validate_json(snap.model_dump_json()) == snap
+    assert [r.name for r in snap.probes][:2] == ["processes", "gpu"] and snap.processes is not None
+
+
+def test_run_inline_hands_back_the_last_report_for_the_same_value():
+    from stallwatch.probes.base import run_inline
+
+    obs = ProbeStatus  # any object: identity is what counts
+    got = run_inline("x", lambda: obs)
+    assert got[0] is obs and got[1].status == ProbeStatus.ok
+    assert run_inline("x", lambda: obs, last=got) is got
+    other = run_inline("x", lambda: object(), last=got)
+    assert other is not got and other[1] is not got[1]
+    failed = run_inline("x", lambda: 1 / 0, last=got)
+    assert failed[0] is None and failed[1].status == ProbeStatus.error

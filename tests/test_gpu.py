@@ -502,3 +502,27 @@ def test_decode_clock_reasons_with_real_constants():
     assert decode_clock_reasons(pynvml, 0x8 | 0x40 | 0x80 | 0x4) == [
         "sw_power_cap", "hw_slowdown", "hw_thermal", "hw_power_brake"]
     assert decode_clock_reasons(pynvml, 0x400 | 0x1000) == ["reliability", "unknown_0x1000"]
+
+
+def test_without_nvml_the_same_observation_is_handed_on_until_a_retry_is_due():
+    """No driver and no retry due: collect() returns the very object it returned last (so what
+    is built from it downstream can be reused by identity), and says so in unchanged()."""
+    lib = four_gpus()
+    lib.init_error = pynvml.NVML_ERROR_DRIVER_NOT_LOADED
+    clock = FakeClock()
+    probe = GpuProbe(nvml=Nvml(lib=lib, clock=clock, retry_after_s=60), clock=clock)
+    assert not probe.unchanged()  # nothing returned yet
+    t0_wall = clock.time()
+    first = probe.collect()
+    clock.advance(30)
+    assert probe.unchanged() and probe.collect() is first and lib.init_calls == 1
+    assert first.collected_at == t0_wall  # when that answer was given, not this tick's time
+    clock.advance(31)  # a retry is due: the probe must run again, and it may answer otherwise
+    assert not probe.unchanged()
+    lib.init_error = pynvml.NVML_ERROR_NO_PERMISSION
+    again = probe.collect()
+    assert again is not first and again.status == "no_permission" and again.collected_at == t0_wall + 61
+    clock.advance(61)
+    lib.init_error = None  # the driver gets loaded: every tick a new observation
+    ok = probe.collect()
+    assert ok.status == "ok" and not probe.unchanged() and probe.collect() is not ok

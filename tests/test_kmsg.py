@@ -245,3 +245,28 @@ def test_real_oom_kill_is_reported_with_the_victims_pid() -> None:
     assert kill.comm.startswith("python") and kill.anon_rss_kb > 0
     assert kill.seq > (first.cursor or -1) and kill.wall_time == pytest.approx(time.time(), abs=120)
     probe.close()
+
+
+def test_a_tick_with_nothing_new_hands_on_the_same_observation(tmp_path: Path) -> None:
+    """The same object only when it equals a fresh one field for field: not on the tick after
+    new records (records_read and prev_cursor change), nor when a held OOM summary is let out
+    by a batch without records."""
+    roots = Roots.under(capture_copy(HOST1, tmp_path / "host1"))
+    probe = KmsgProbe(roots=roots, clock=FakeClock())
+    first = probe.collect()
+    assert probe.collect() is first
+    with open(roots.kmsg, "a") as f:
+        f.write("3,700,800000000,-;INFO: task python:31337 blocked for more than 120 seconds.\n")
+    news = probe.collect()
+    assert news is not first and news.records_read == 1 and news.prev_cursor != news.cursor
+    quiet = probe.collect()
+    assert quiet is not news and (quiet.records_read, quiet.prev_cursor) == (0, 700)
+    assert probe.collect() is quiet
+    with open(roots.kmsg, "a") as f:  # a summary whose Killed line never comes
+        f.write("6,701,800000001,-;oom-kill:constraint=CONSTRAINT_MEMCG,task_memcg=/x,task=a,pid=5,uid=0\n")
+    held = probe.collect()
+    assert held.cursor == 701 and held.counts == {"hung_task": 1}
+    out = probe.collect()  # a batch without its Killed line lets the summary out: new, though
+    assert out is not held and out.records_read == 0  # no record was read
+    assert out.counts == {"hung_task": 1, "oom_kill": 1}
+    assert probe.collect() is out  # read nothing, as it did: equal field for field

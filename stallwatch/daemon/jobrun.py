@@ -375,12 +375,14 @@ class JobRun(JobIncidents):
 
     def _pid_file_due(self) -> str:
         """"now": read it before collecting (no live process of it known); "batch": the re-check
-        while its process lives, which may ride the collector's batch; "": not due."""
+        while its process lives, which may ride the collector's batch; "": not due. Runs every
+        tick, so the usual answer ("") costs two tuple lookups: the processes probe's live
+        targets, less its zombies (issue 17)."""
         now = self.clock.monotonic()
-        snap = self.last_snap
-        alive = self._pid_file_pid is not None and snap is not None and any(
-            p.pid == self._pid_file_pid and p.role == "target" and p.state not in ("Z", "X")
-            for p in (snap.processes.processes if snap.processes is not None else ()))
+        pid, snap = self._pid_file_pid, self.last_snap
+        procs = snap.processes if snap is not None else None
+        alive = (pid is not None and procs is not None and pid in procs.targets
+                 and pid not in procs.zombies)
         if alive and self._pid_file_read_mono is not None \
                 and now - self._pid_file_read_mono < PID_FILE_RECHECK_S:
             return ""

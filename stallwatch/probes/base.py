@@ -378,11 +378,20 @@ def report_for_exception(name: str, e: BaseException, duration_s: float) -> Prob
     )
 
 
-def run_inline(name: str, fn, clock: Clock = SYSTEM_CLOCK) -> tuple[Any, ProbeReport]:
-    """Run a probe that touches only /proc, /sys or NVML-in-its-own-thread: no worker thread."""
+def run_inline(name: str, fn, clock: Clock = SYSTEM_CLOCK,
+               last: tuple[Any, ProbeReport] | None = None) -> tuple[Any, ProbeReport]:
+    """Run a probe that cannot block (it touches only /proc, /sys, /dev/kmsg or a failed NVML):
+    no worker thread. The report is final (report_for_observation applied). `last` is this
+    probe's previous (value, report): when the probe hands back that very value (nothing new
+    since), `last` is returned as it is, report included: its duration_s is then the run that
+    made the observation, microseconds for a probe that cannot block, and no new object is made
+    on a tick where nothing changed (issue 17)."""
     t0 = clock.monotonic()
     try:
         value = fn()
     except Exception as e:  # noqa: BLE001 - every failure of a probe becomes its report
         return None, report_for_exception(name, e, clock.monotonic() - t0)
-    return value, ProbeReport(name=name, status=ProbeStatus.ok, duration_s=clock.monotonic() - t0)
+    if last is not None and value is not None and value is last[0]:
+        return last
+    return value, report_for_observation(
+        ProbeReport(name=name, status=ProbeStatus.ok, duration_s=clock.monotonic() - t0), value)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
-from stallwatch.probes.base import DeadlineRunner, Probe, report_for_observation, run_inline
+from stallwatch.probes.base import DeadlineRunner, Probe, ProbeReport, report_for_observation, run_inline
 from stallwatch.probes.disks import DisksProbe
 from stallwatch.probes.gpu import GpuProbe
 from stallwatch.probes.kmsg import KmsgProbe
@@ -74,6 +74,8 @@ class Collector:
         self.disks = DisksProbe(list(self._static_paths), roots=roots, clock=clock,
                                 statvfs_deadline_s=min(2.0, deadline_s))
         self.also_got: Any = None  # the answer of the last tick's `also` call (None: not in time)
+        # probe name -> (probe, value, final report) of the last tick, for reuse by identity
+        self._last: dict[str, tuple[Probe, Any, ProbeReport]] = {}
 
     def note_exit(self, pid: int, start_ticks: int | None, returncode: int) -> None:
         """The supervisor reaped its child: the probe reports the real exit status."""
@@ -89,11 +91,9 @@ class Collector:
         file's re-check), runs last in the same batch, its answer left in `also_got`: its own
         handoff to a thread cost more than its work (issue 17)."""
         t0 = self.clock.monotonic()
-        # A probe that says it cannot block now (kmsg on /dev/kmsg, gpu without NVML) runs here:
-        # handing a call to a thread costs more than its work (issue 17: ~0.05 ms CPU a batch).
         probes = [p for p in self.probes() if p is not self.disks]
-        inline = {p.name: run_inline(p.name, p.collect, self.clock) for p in probes
-                  if (cannot_block := getattr(p, "cannot_block", None)) is not None and cannot_block()}
+        done = {p.name: self._without_worker(p) for p in probes}
+        done = {name: got for name, got in done.items() if got is not None}
         procs: list[ProcessesObs] = []
         procs_ran = threading.Event()
         procs_busy = self.processes.name in self.runner.stuck()  # its call will not be made
@@ -116,7 +116,7 @@ class Collector:
             return self.disks.collect()
 
         batch = [(p.name, processes if p is self.processes else p.collect, self.deadline_s)
-                 for p in probes if p.name not in inline]
+                 for p in probes if p.name not in done]
         # Its own statvfs deadline (and a second) after the processes probe's, as when it ran
         # after the others: a slow processes probe must not leave it no time.
         batch.append((self.disks.name, disks, self.deadline_s + self.disks.statvfs_deadline_s + 1.0))
@@ -124,15 +124,38 @@ class Collector:
             batch.append(also)
         ran = dict(zip([c[0] for c in batch], self.runner.call_many(batch), strict=True))
         self.also_got = ran[also[0]][0] if also is not None else None
-        results = {p.name: ran[p.name] if p.name in ran else inline[p.name] for p in probes}
-        results[self.disks.name] = ran[self.disks.name]
+        results = {p.name: done[p.name] if p.name in done
+                   else (ran[p.name][0], report_for_observation(ran[p.name][1], ran[p.name][0]))
+                   for p in probes}
+        self._last = {p.name: (p, *results[p.name]) for p in probes}
+        value, report = ran[self.disks.name]
+        results[self.disks.name] = (value, report_for_observation(report, value))
         self._find_server_log(results.get("server_processes", (None,))[0])
-        return Snapshot(
-            t_mono=t0, t_wall=self.clock.time(), host=self.host, target=self.target,
-            probes=tuple(report_for_observation(report, value) for value, report in results.values()),
-            tick_duration_s=self.clock.monotonic() - t0,
+        # Unvalidated: every part is a model built by a probe or a float of the clock, and
+        # validating them again cost more than the rest of the tick's own work (issue 17;
+        # test_collector checks it equals a validated build).
+        return Snapshot.model_construct(
+            t_mono=float(t0), t_wall=float(self.clock.time()), host=self.host, target=self.target,
+            probes=tuple(report for _, report in results.values()),
+            tick_duration_s=float(self.clock.monotonic() - t0),
             **{PROBE_FIELDS[name]: value for name, (value, _) in results.items()},
         )
+
+    def _without_worker(self, p: Probe) -> tuple[Any, ProbeReport] | None:
+        """A probe's (value, report) got without the lane: the last ones again when the probe
+        says nothing it reads can have changed (gpu without NVML, no retry due), its collect()
+        run here when it cannot block (kmsg on /dev/kmsg): handing a call to a thread costs
+        more than its work (issue 17). None: the probe goes in the batch."""
+        last = self._last.get(p.name)
+        if last is not None and last[0] is not p:
+            last = None  # the probe was replaced (a resumed kmsg cursor): nothing of it to reuse
+        unchanged = getattr(p, "unchanged", None)
+        if last is not None and unchanged is not None and unchanged():
+            return last[1], last[2]
+        cannot_block = getattr(p, "cannot_block", None)
+        if cannot_block is not None and cannot_block():
+            return run_inline(p.name, p.collect, self.clock, last and (last[1], last[2]))
+        return None
 
     def _find_server_log(self, sp: ProcessesObs | None) -> None:
         """No server_log configured: the listening process's stdout/stderr, when a file. And

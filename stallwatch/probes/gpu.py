@@ -92,7 +92,10 @@ class GpuObs(Frozen):
     xid_events_total: int = 0  # drained since the probe started; rules diff this
     xid_watch: str = "off"  # "on", or "off: <reason>"
     error: str | None = None
-    collected_at: float = 0.0  # wall time
+    # Wall time of the collect that made this observation. Without NVML the probe hands on the
+    # same observation while the answer stays the same (a retry that fails alike included), so
+    # this is when that answer was first given, not this tick's time (the snapshot's t_wall is).
+    collected_at: float = 0.0
 
 
 def gpu_pids(obs: GpuObs) -> dict[int, list[tuple[int, int | None]]]:
@@ -210,11 +213,22 @@ class GpuProbe:
         self._events: deque[XidEventObs] = deque(maxlen=keep_events)
         self._seq = 0
         self._drain_error: str | None = None
+        self._last: GpuObs | None = None  # what collect() returned last
 
     def cannot_block(self) -> bool:
         """No NVML (no library, no driver) and no retry due: collect() makes no driver call, so
         the collector runs it inline, without a worker-thread handoff (issue 17)."""
         return isinstance(self.nvml, Nvml) and self.nvml.idle() and not self._lock.locked()
+
+    def unchanged(self) -> bool:
+        """collect() would return the very observation it returned last (no NVML, no retry due,
+        no new event): the collector hands that on without running it at all (issue 17)."""
+        return self.cannot_block() and self._still(self._last, self.nvml.status)
+
+    def _still(self, last: GpuObs | None, status: str | None) -> bool:
+        """`last` is the answer for NVML's `status` now: a failed init, same reason, no event."""
+        return (last is not None and status != OK and last.status == status
+                and last.error == self.nvml.error and last.xid_events_total == self._seq)
 
     def collect(self) -> GpuObs:
         now = self._clock.time()
@@ -223,11 +237,15 @@ class GpuProbe:
             return GpuObs(status=ProbeStatus.error, error="previous GPU collect has not returned",
                           collected_at=now)
         try:
-            return self._collect(now)
-        except Exception as e:  # noqa: BLE001 - a bug here must not cost the whole snapshot
-            return GpuObs(status=ProbeStatus.error, error=f"gpu probe: {describe(e)}", collected_at=now)
+            try:
+                obs = self._collect(now)
+            except Exception as e:  # noqa: BLE001 - a bug here must not cost the whole snapshot
+                obs = GpuObs(status=ProbeStatus.error, error=f"gpu probe: {describe(e)}",
+                             collected_at=now)
+            self._last = obs
         finally:
             self._lock.release()
+        return obs
 
     def close(self) -> None:
         with self._lock:
@@ -240,6 +258,8 @@ class GpuProbe:
     def _collect(self, now: float) -> GpuObs:
         nv = self.nvml
         status = nv.init()
+        if (last := self._last) is not None and self._still(last, status):
+            return last  # nothing new: the same object, so what is built from it can be reused
         if status != OK:
             return GpuObs(status=ProbeStatus(status), error=nv.error, collected_at=now,
                           xid_events=list(self._events), xid_events_total=self._seq)

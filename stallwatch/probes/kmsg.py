@@ -14,7 +14,6 @@ import os
 import stat
 from collections import Counter, deque
 from pathlib import Path
-from typing import Any
 
 from pydantic import Field
 
@@ -167,6 +166,7 @@ class KmsgProbe:
         self._counts: Counter[str] = Counter()
         self._parser: KernelEventParser | None = None
         self._boot_wall: float | None = None
+        self._last: KmsgObs | None = None  # the last ok observation
 
     def open(self) -> None:
         """Open now, so that what happens from here on is seen (collect() also opens lazily)."""
@@ -185,32 +185,44 @@ class KmsgProbe:
         return self._reader.is_device
 
     def collect(self) -> KmsgObs:
-        common: dict[str, Any] = dict(source=str(self.roots.kmsg), history=self._reader.history)
         prev = self._reader.last_seq
         try:
             self.open()
             records = self._reader.read(self.max_records_per_tick)
         except Absent as e:
-            return KmsgObs(status=ProbeStatus.absent, error=str(e), **common)
+            return self._failed(ProbeStatus.absent, str(e))
         except Denied as e:
             self._reader.close()
-            return KmsgObs(status=ProbeStatus.denied, error=str(e), **common)
+            return self._failed(ProbeStatus.denied, str(e))
         except OSError as e:
             self._reader.close()  # reopen next tick rather than read a broken descriptor forever
-            return KmsgObs(status=ProbeStatus.error, error=f"{self.roots.kmsg}: {e}", **common)
+            return self._failed(ProbeStatus.error, f"{self.roots.kmsg}: {e}")
         assert self._parser is not None
         new: list[KernelEvent] = []
         for rec in records:
             new.extend(self._parser.feed(rec))
         new.extend(self._parser.end_batch())
+        last = self._last
+        if (not records and not new and last is not None and last.records_read == 0
+                and last.cursor == prev and last.records_lost == self._reader.lost):
+            # Nothing new, as last tick: the same object, equal field for field (prev_cursor
+            # is the cursor), so what is built from it downstream can be reused (issue 17).
+            return last
         for ev in new:
             self._ring.append(ev)
             self._counts[ev.kind.value] += 1
-        return KmsgObs(
+        self._last = KmsgObs(
             status=ProbeStatus.ok, cursor=self._reader.last_seq, prev_cursor=prev,
             records_read=len(records), records_lost=self._reader.lost, events=tuple(self._ring),
-            counts=dict(self._counts), boot_wall_time=self._boot_wall, **common,
+            counts=dict(self._counts), boot_wall_time=self._boot_wall,
+            source=str(self.roots.kmsg), history=self._reader.history,
         )
+        return self._last
+
+    def _failed(self, status: ProbeStatus, error: str) -> KmsgObs:
+        self._last = None
+        return KmsgObs(status=status, error=error, source=str(self.roots.kmsg),
+                       history=self._reader.history)
 
     def _boot_wall_time(self) -> float | None:
         """Wall time at boot, to date kernel timestamps: /proc/stat btime (whole seconds), else
