@@ -13,6 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from stallwatch.model import Frozen
+from stallwatch.kernel.procfiles import ProcPaths
 from stallwatch.kernel.roots import Absent, Denied, Roots
 
 SECTOR_BYTES = 512  # diskstats counts 512-byte sectors whatever the device's real sector size
@@ -58,6 +59,11 @@ _DISKSTAT_FIELDS = [
     "discards_completed", "discards_merged", "sectors_discarded", "discard_ms",
     "flushes_completed", "flush_ms",
 ]
+
+
+def diskstats_path(roots: Roots) -> str:
+    """/proc/diskstats, for a caller that keeps it open and reads it from offset 0 each time."""
+    return ProcPaths(roots).host("diskstats")
 
 
 def parse_diskstats(text: str, known: dict[str, DiskStat] | None = None) -> dict[str, DiskStat]:

@@ -14,20 +14,22 @@ import posixpath
 import select
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 from collections.abc import Callable
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.kernel import proc as kproc
 from stallwatch.kernel.procfiles import ProcPaths
 from stallwatch.kernel.diskfs import (
-    SECTOR_BYTES, BlockDeviceRef, DiskStat, MountInfo, device_for_mount, mount_for_path,
+    SECTOR_BYTES, BlockDeviceRef, DiskStat, MountInfo, device_for_mount, diskstats_path, mount_for_path,
     parse_diskstats, parse_mountinfo, path_in_filesystem,
 )
 from stallwatch.model import Frozen
 from stallwatch.probes.base import HANDOFF_SHARE, Batch, Call, Lane, ProbeStatus
+from stallwatch.probes.processes_obs import built
 from stallwatch.kernel.roots import DEFAULT_ROOTS, Absent, Denied, Roots
 
+M = TypeVar("M", bound=Frozen)
 SHM_PREFIXES = ("sgl_shm",)  # SGLang's leaked sgl_shm_mm_* segments filled /dev/shm (#40723)
 _SHM_LIST_LIMIT = 100_000  # a runaway leak must not turn one listing into a memory problem
 # /dev/shm is listed again only when its mtime moved (an entry created, removed or renamed), or
@@ -36,6 +38,11 @@ _SHM_LIST_LIMIT = 100_000  # a runaway leak must not turn one listing into a mem
 # within SHM_RACY_NS of the directory's mtime is not trusted: a later change in the same
 # timestamp tick would leave the mtime where it was.
 SHM_RELIST_S = 30.0
+# ... but not more often than this while it keeps changing: a busy node's /dev/shm (torch,
+# NCCL, semaphores) changes every second, and listing its hundreds of entries is ~0.7 ms of CPU
+# here (issue 17). The counts only explain shm_filling, whose condition is statvfs's used %,
+# read every tick; they may be this old.
+SHM_MIN_RELIST_S = 5.0
 SHM_RACY_NS = 1_000_000_000
 DEVICE_TTL_S = 60.0  # a mount's block device (loop backing file, dm name, slaves) is re-read this often
 # A path's realpath is reused while statvfs of the path names the same filesystem (f_fsid), for
@@ -95,6 +102,23 @@ class DisksObs(Frozen):
     errors: tuple[str, ...] = ()
 
 
+def _made(cls: type[M], defaults: dict[str, Any], values: dict[str, Any]) -> M:
+    """cls(**values) without validation (processes_obs.built) for the records built every tick
+    from this probe's own typed values: the fields not given take their defaults, and only the
+    given ones are `set`, as validation leaves them (tests/test_disks_cost.py checks a real
+    collect's records against validation)."""
+    return built(cls, {**defaults, **values}, set(values))
+
+
+def _defaults(cls: type[Frozen]) -> dict[str, Any]:
+    return {name: None if f.is_required() else f.default for name, f in cls.model_fields.items()}
+
+
+_IO_DEFAULTS = _defaults(BlockDeviceIO)
+_USAGE_DEFAULTS = _defaults(PathUsage)
+_OBS_DEFAULTS = _defaults(DisksObs)
+
+
 @dataclass
 class _FsFacts:
     """What a worker learned by touching the filesystem."""
@@ -142,13 +166,19 @@ class DisksProbe:
         self._mi_poll: select.poll | None = None
         self._mi_fd: int | None = None
         self._mi_fresh = False  # read since the last event: nothing changed until POLLPRI
+        self._mi_path: str | None = None
         self._devices: dict[MountInfo, tuple[BlockDeviceRef | None, float]] = {}
         self._mount_of: dict[str, MountInfo | None] = {}  # path -> mount, while mountinfo is the same
         self._diskstats_lines: dict[str, DiskStat] = {}  # a line as last read -> its parse
+        # /proc/diskstats on the real procfs is read through a kept descriptor, from offset 0
+        # each tick (a seq file renders afresh at offset 0): no path walk, open and close a
+        # tick (issue 17). -1: a fixture tree, whose files are replaced on disk: read by path.
+        self._ds_fd: int | None = None
         self._prev: dict[str, tuple[DiskStat, float]] = {}
         self._stuck_since: dict[str, float] = {}
-        # /dev/shm's (dev, ino, mtime_ns), when it was listed (wall ns) and what it held.
-        self._shm_seen: tuple[tuple[int, int, int], int, tuple[int, int, int]] | None = None
+        # /dev/shm's (dev, ino, mtime_ns) (None: listed too close to its mtime to be trusted),
+        # when it was listed (wall ns) and what it held.
+        self._shm_seen: tuple[tuple[int, int, int] | None, int, tuple[int, int, int]] | None = None
         # path -> (its realpath, the f_fsid statvfs gave, when resolved); each path's own call
         # reads and writes its entry, and one path has one call at a time.
         self._resolved: dict[str, tuple[str, int, float]] = {}
@@ -184,10 +214,10 @@ class DisksProbe:
 
         watched = {n for u in paths if u.device for n in (u.device.name, u.device.parent_disk) if n}
         devices = self._rates(stats, now, watched)
-        return DisksObs(
+        return _made(DisksObs, _OBS_DEFAULTS, dict(
             devices=tuple(devices), paths=tuple(paths), diskstats_status=diskstats_status,
             mountinfo_status=mountinfo_status, errors=tuple(errors),
-        )
+        ))
 
     # -- kernel-memory sources (cannot hang) ---------------------------------------------------
 
@@ -217,13 +247,17 @@ class DisksProbe:
         return bool(events)
 
     def close(self) -> None:
-        """The kept mountinfo descriptor (the statvfs workers end on their own)."""
+        """The kept mountinfo and diskstats descriptors (the statvfs workers end on their own)."""
         if self._mi_fd is not None and self._mi_fd >= 0:
             os.close(self._mi_fd)
-        self._mi_poll, self._mi_fd, self._mi_fresh = None, -1, False
+        if self._ds_fd is not None and self._ds_fd >= 0:
+            os.close(self._ds_fd)
+        self._mi_poll, self._mi_fd, self._mi_fresh, self._ds_fd = None, -1, False, -1
 
     def _mountinfo(self, errors: list[str]) -> tuple[list[MountInfo], ProbeStatus]:
-        path = kproc.mountinfo_path(self.roots, self.mountinfo_pid or None)
+        if self._mi_path is None:  # built once: the roots and the pid are the probe's for life
+            self._mi_path = kproc.mountinfo_path(self.roots, self.mountinfo_pid or None)
+        path = self._mi_path
         if not self._mountinfo_changed(path):
             return self._mi_parsed, ProbeStatus.ok
         self._mi_fresh = False
@@ -244,7 +278,7 @@ class DisksProbe:
 
     def _diskstats(self, errors: list[str]) -> tuple[dict[str, DiskStat], ProbeStatus]:
         try:
-            text = kproc.diskstats(self.roots)
+            text = self._diskstats_text()
             return parse_diskstats(text, self._diskstats_lines), ProbeStatus.ok
         except Absent as e:
             errors.append(f"diskstats absent: {e}")
@@ -252,6 +286,23 @@ class DisksProbe:
         except Denied as e:  # systemd ProtectProc/ProcSubset=pid hides it (docs/field.md)
             errors.append(f"diskstats denied: {e}")
             return {}, ProbeStatus.denied
+
+    def _diskstats_text(self) -> str:
+        if self._ds_fd is None:
+            self._ds_fd = -1
+            if ProcPaths(self.roots).is_procfs():
+                try:
+                    self._ds_fd = os.open(diskstats_path(self.roots), os.O_RDONLY | os.O_CLOEXEC)
+                except OSError:
+                    pass  # read by path: its error is this tick's status
+        if self._ds_fd < 0:
+            return kproc.diskstats(self.roots)
+        try:
+            return _pread_all(self._ds_fd, 16 << 20).decode("utf-8", "replace")
+        except OSError:
+            os.close(self._ds_fd)
+            self._ds_fd = None  # opened again next tick
+            return kproc.diskstats(self.roots)
 
     def _rates(self, stats: dict[str, DiskStat], now: float, watched: set[str]) -> list[BlockDeviceIO]:
         out: list[BlockDeviceIO] = []
@@ -355,12 +406,12 @@ class DisksProbe:
         st = os.stat(path)
         ident, now_ns = (st.st_dev, st.st_ino, st.st_mtime_ns), time.time_ns()
         seen = self._shm_seen
-        if (seen is not None and seen[0] == ident and seen[2][1] == 0
-                and now_ns - seen[1] < SHM_RELIST_S * 1e9):
+        if seen is not None and (now_ns - seen[1] < SHM_MIN_RELIST_S * 1e9 or (
+                seen[0] == ident and seen[2][1] == 0 and now_ns - seen[1] < SHM_RELIST_S * 1e9)):
             return seen[2]
         counts = _count_shm(path)
         trusted = now_ns - st.st_mtime_ns >= SHM_RACY_NS
-        self._shm_seen = (ident, now_ns, counts) if trusted else None
+        self._shm_seen = (ident if trusted else None, now_ns, counts)
         return counts
 
     def _path_entry(self, path: str, kind: str, queued: tuple[Call, float], mounts: list[MountInfo],
@@ -395,14 +446,14 @@ class DisksProbe:
             path=path, kind=kind, status=status, detail=detail, mount=mount, device=device,
             fs_path=path_in_filesystem(mount, resolved) if mount and mount.root != "/" else None,
             read_only=mount.read_only if mount else None,
-            stuck_for_s=age if facts is None and status in (ProbeStatus.timeout, ProbeStatus.busy) else None,
+            stuck_for_s=float(age) if facts is None and status in (ProbeStatus.timeout, ProbeStatus.busy) else None,
         )
         if facts is not None:
             entry.update(_space(facts.st), exists=facts.exists, resolved_path=facts.resolved,
-                         statvfs_latency_s=max(0.0, (call.finished or now) - (call.started or queued_at_mono)))
+                         statvfs_latency_s=float(max(0.0, (call.finished or now) - (call.started or queued_at_mono))))
             if facts.shm is not None:
                 entry.update(zip(("shm_segments", "sgl_shm_segments", "sgl_shm_bytes"), facts.shm, strict=True))
-        return PathUsage(**entry)
+        return _made(PathUsage, _USAGE_DEFAULTS, entry)
 
 
 def _device_io(cur: DiskStat, prev_t: tuple[DiskStat, float] | None, now: float,
@@ -415,7 +466,7 @@ def _device_io(cur: DiskStat, prev_t: tuple[DiskStat, float] | None, now: float,
     )
     if prev_t is None:
         stuck_since.pop(cur.name, None)
-        return BlockDeviceIO(**base)
+        return _made(BlockDeviceIO, _IO_DEFAULTS, base)
     prev, t0 = prev_t
     dt = now - t0
     # Stuck only when I/O was in flight at both ends and nothing completed in between: a single
@@ -424,21 +475,34 @@ def _device_io(cur: DiskStat, prev_t: tuple[DiskStat, float] | None, now: float,
         stuck_since.setdefault(cur.name, t0)
     else:
         stuck_since.pop(cur.name, None)
-    base["inflight_stuck_for_s"] = now - stuck_since[cur.name] if cur.name in stuck_since else 0.0
+    # float(): built unvalidated, and a test's clock may count in ints
+    base["inflight_stuck_for_s"] = float(now - stuck_since[cur.name]) if cur.name in stuck_since else 0.0
     d = {f: getattr(cur, f) - getattr(prev, f) for f in (
         "reads_completed", "writes_completed", "sectors_read", "sectors_written",
         "read_ms", "write_ms", "io_ticks_ms")}
     if dt <= 0 or any(v < 0 for v in d.values()):
-        return BlockDeviceIO(**base)  # no time passed, or counters wrapped/reset: no honest rate
+        return _made(BlockDeviceIO, _IO_DEFAULTS, base)  # no time passed, or counters wrapped/reset: no honest rate
     ios = d["reads_completed"] + d["writes_completed"]
-    return BlockDeviceIO(
-        **base, interval_s=dt,
+    return _made(BlockDeviceIO, _IO_DEFAULTS, dict(
+        base, interval_s=float(dt),
         read_bytes_per_s=d["sectors_read"] * SECTOR_BYTES / dt,
         write_bytes_per_s=d["sectors_written"] * SECTOR_BYTES / dt,
         read_iops=d["reads_completed"] / dt, write_iops=d["writes_completed"] / dt,
         await_ms=(d["read_ms"] + d["write_ms"]) / ios if ios else None,
         busy_pct=min(100.0, d["io_ticks_ms"] / (dt * 1000.0) * 100.0),
-    )
+    ))
+
+
+def _pread_all(fd: int, limit: int) -> bytes:
+    """The whole of a seq file from offset 0: one read returns about a page, so read on to EOF."""
+    chunks, size = [], 0
+    while size < limit:
+        chunk = os.pread(fd, min(limit - size, 1 << 16), size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _space(st: os.statvfs_result) -> dict:
@@ -457,19 +521,46 @@ def _space(st: os.statvfs_result) -> dict:
 
 
 def _count_shm(path: str) -> tuple[int, int, int]:
+    """(entries, SGLang segments, their bytes) of a directory, through one descriptor opened
+    without following a link (the directory is world-writable: nothing in it is re-resolved).
+
+    Listed by os.listdir and counted in C (issue 17: /dev/shm of a busy node holds hundreds of
+    torch/NCCL/semaphore entries and changes every tick, and a Python loop over a scandir was
+    most of the disks probe's CPU). A directory too big for that is walked by scandir up to the
+    limit, so a runaway leak never becomes a memory problem: tmpfs counts BOGO_DIRENT_SIZE (20)
+    bytes of st_size an entry, other filesystems 2 or more (btrfs: twice the name's length)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if os.fstat(fd).st_size > _SHM_LIST_LIMIT * 2:
+            return _scan_shm(fd)
+        names = os.listdir(fd)
+        # NUL is the one character no name holds: a name cannot fake a second entry.
+        joined = "\0" + "\0".join(names)
+        sgl = sum(joined.count("\0" + prefix) for prefix in SHM_PREFIXES)
+        sgl_bytes = sum(_lsize(fd, n) for n in names if n.startswith(SHM_PREFIXES)) if sgl else 0
+        return min(len(names), _SHM_LIST_LIMIT), sgl, sgl_bytes
+    finally:
+        os.close(fd)
+
+
+def _scan_shm(fd: int) -> tuple[int, int, int]:
     total = sgl = sgl_bytes = 0
-    with os.scandir(path) as it:
+    with os.scandir(fd) as it:
         for entry in it:
             total += 1
             if entry.name.startswith(SHM_PREFIXES):
                 sgl += 1
-                try:
-                    sgl_bytes += entry.stat(follow_symlinks=False).st_size
-                except OSError:
-                    pass  # unlinked between listing and stat
+                sgl_bytes += _lsize(fd, entry.name)
             if total >= _SHM_LIST_LIMIT:
                 break
     return total, sgl, sgl_bytes
+
+
+def _lsize(dir_fd: int, name: str) -> int:
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_size
+    except OSError:
+        return 0  # unlinked between listing and stat
 
 
 def _describe(mount: MountInfo | None, device: BlockDeviceRef | None) -> str:

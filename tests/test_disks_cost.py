@@ -1,0 +1,118 @@
+"""The disks probe at 1 Hz (issue 17) sees no less for being cheaper: its records are built
+without validation and equal their validation; /proc/diskstats is read through a kept
+descriptor that still reads fresh counters (a fixture tree's, replaced on disk, is read by path:
+test_diskfs.test_device_rates_and_inflight_stuck); /dev/shm is counted from one listing, no link
+followed, and listed again at most every SHM_MIN_RELIST_S while it keeps changing."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import stallwatch.probes.disks as disks_mod
+from stallwatch.clock import FakeClock
+from stallwatch.kernel.roots import Roots
+from stallwatch.probes.disks import BlockDeviceIO, DisksObs, DisksProbe, PathUsage, _count_shm
+
+
+class CountingRoots(Roots):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def read_text(self, path, limit=1 << 20):
+        self.reads.append(str(path))
+        return super().read_text(path, limit)
+
+
+def _same_as_validated(record) -> None:
+    """Validating the record's set fields gives an equal record: same JSON, order, fields set."""
+    cls = type(record)
+    again = cls(**{k: v for k, v in record.__dict__.items() if k in record.__pydantic_fields_set__})
+    assert again == record and again.model_dump_json() == record.model_dump_json()
+    assert list(again.__dict__) == list(record.__dict__)
+    assert again.__pydantic_fields_set__ == record.__pydantic_fields_set__
+
+
+def test_records_built_unvalidated_equal_their_validation(tmp_path: Path) -> None:
+    """A real collect on this host (its diskstats and mountinfo, a real /dev/shm-like directory
+    with an SGLang segment), with an int clock: every record equals its validated build."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    (shm / "sgl_shm_mm_1").write_bytes(b"x" * 300)
+    clock = FakeClock(monotonic=5)  # ints: durations must still be floats
+    probe = DisksProbe([tmp_path, tmp_path / "not-yet"], clock=clock, dev_shm=str(shm))
+    try:
+        probe.collect()
+        clock.advance(1)
+        obs = probe.collect()
+    finally:
+        probe.close()
+    _same_as_validated(obs)
+    assert len(obs.paths) == 3 and obs.devices, obs
+    for u in obs.paths:
+        _same_as_validated(u)
+        assert isinstance(u.statvfs_latency_s, float)
+    for d in obs.devices:
+        _same_as_validated(d)
+        assert isinstance(d.interval_s, float) and isinstance(d.inflight_stuck_for_s, float)
+    assert obs.paths[1].exists is False and obs.paths[2].sgl_shm_bytes == 300
+    assert DisksObs.model_validate_json(obs.model_dump_json()) == obs
+    assert {PathUsage, BlockDeviceIO} == {type(obs.paths[0]), type(obs.devices[0])}
+
+
+def test_diskstats_kept_descriptor_reads_fresh_counters(tmp_path: Path) -> None:
+    """After the first collect diskstats is not opened by path again, and what the kept
+    descriptor reads moves: data written and fsynced to a block device is counted."""
+    roots = CountingRoots()
+    probe = DisksProbe([tmp_path], roots=roots, dev_shm=None)
+    try:
+        first = probe.collect()
+        (usage,) = first.paths
+        if usage.device is None:
+            pytest.skip(f"{tmp_path} is on {usage.mount and usage.mount.fs_type}, no block device")
+        before = sum(d.completed_ios_total for d in first.devices)
+        fd = os.open(tmp_path / "data", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, os.urandom(1 << 16))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        after = sum(d.completed_ios_total for d in probe.collect().devices)
+    finally:
+        probe.close()
+    assert after > before
+    assert [r for r in roots.reads if r.endswith("/diskstats")] == []
+    assert probe._ds_fd == -1  # closed
+
+
+def test_shm_count_follows_no_link_and_no_forged_name(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    (shm / "sgl_shm_a").write_bytes(b"x" * 10)
+    (shm / "x\nsgl_shm_forged").write_bytes(b"x" * 1000)  # a newline must not make it a segment
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * 5000)
+    (shm / "sgl_shm_link").symlink_to(big)  # counted at the link's own size, not followed
+    assert _count_shm(str(shm)) == (3, 2, 10 + len(str(big)))
+    (tmp_path / "via").symlink_to(shm)
+    with pytest.raises(OSError):
+        _count_shm(str(tmp_path / "via"))  # the directory itself is not reached through a link
+
+
+def test_changing_shm_is_listed_again_at_most_every_min_relist(tmp_path: Path, monkeypatch) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    listed: list[str] = []
+    real = disks_mod._count_shm
+    monkeypatch.setattr(disks_mod, "_count_shm", lambda p: listed.append(p) or real(p))
+    monkeypatch.setattr(disks_mod, "SHM_MIN_RELIST_S", 3600.0)
+    probe = DisksProbe([], clock=FakeClock(), dev_shm=str(shm))
+    assert probe.collect().paths[0].shm_segments == 0
+    (shm / "sgl_shm_1").write_bytes(b"")
+    assert probe.collect().paths[0].shm_segments == 0 and len(listed) == 1  # too soon
+    monkeypatch.setattr(disks_mod, "SHM_MIN_RELIST_S", 0.0)
+    (shm / "sgl_shm_2").write_bytes(b"")
+    assert probe.collect().paths[0].sgl_shm_segments == 2 and len(listed) == 2
