@@ -525,3 +525,70 @@ def test_a_process_built_unvalidated_equals_its_validation(tmp_path):
         assert t_again.model_dump_json() == t.model_dump_json() and t.syscall == "read"
         assert list(t_again.__dict__) == list(t.__dict__)
     assert isinstance(obs.state_since_s, float)  # an int clock still gives float durations
+
+
+def test_processes_and_exits_built_unvalidated_equal_their_validation(tmp_path):
+    """ProcessesObs, ExitObs, OpenFileObs and IoObs are built without validation as well: the
+    same values validated give equal objects, with the same JSON, fields set and float types."""
+    from stallwatch.probes.processes_obs import ExitObs, IoObs, OpenFileObs, ProcessesObs
+
+    job = [sys.executable, "-c", "import sys; sys.stdin.readline()"]
+    with open(tmp_path / "out.bin", "wb") as out, \
+            spawned(job, stdin=subprocess.PIPE, stdout=out) as proc:
+        wait_until(lambda: task_state(proc.pid) == "S", what="the job to block in read")
+        probe = ProcessesProbe(Target(pids=(proc.pid,)), clock=FakeClock(monotonic=5))
+        alive = probe.collect()
+        proc.kill()
+        proc.wait()
+        gone = probe.collect()
+    (p,) = alive.processes
+    assert p.open_files and p.io is not None and gone.exited
+    for obs in (alive, gone, *p.open_files, p.io, *gone.exited):
+        again = type(obs)(**obs.__dict__)
+        assert again == obs and again.model_dump_json() == obs.model_dump_json()
+        assert list(again.__dict__) == list(obs.__dict__)
+        assert again.__pydantic_fields_set__ == obs.__pydantic_fields_set__
+    assert {type(o) for o in (alive, p.io, p.open_files[0], gone.exited[0])} == {
+        ProcessesObs, IoObs, OpenFileObs, ExitObs}
+    (ex,) = gone.exited
+    assert isinstance(ex.noticed_at, float) and isinstance(ex.exited_for_s, float)
+
+
+def test_a_thread_files_bytes_unchanged_since_the_last_tick_are_not_parsed_again(monkeypatch):
+    """A thread that wakes every few ms to sleep again is read afresh every tick (it ran), and
+    renders the same stack each time: that stack is parsed once, not once a tick, and what is
+    reported is still the parse of this tick's bytes."""
+    job = [sys.executable, "-c", "import time\nwhile True: time.sleep(0.005)"]
+    parses: list[str] = []
+    real = threads_mod.procfs.parse_stack
+    monkeypatch.setattr(threads_mod.procfs, "parse_stack",
+                        lambda text: parses.append(text) or real(text))
+    with spawned(job) as proc:
+        wait_until(lambda: task_state(proc.pid) == "S", what="the job to sleep")
+        probe = ProcessesProbe(Target(pids=(proc.pid,)))
+        reads: list[tuple[int, bytes]] = []  # (collect number, the stack's bytes)
+        kept_read = probe._kept.read_task_file
+
+        def counting(path: str) -> bytes:
+            data = kept_read(path)
+            if path.endswith("/stack"):
+                reads.append((n, data))
+            return data
+
+        probe._kept.read_task_file = counting
+        seen = []
+        sched = f"/proc/{proc.pid}/task/{proc.pid}/schedstat"
+        for n in range(8):
+            (p,) = probe.collect().processes
+            seen.append(p.threads[0].stack)
+            before = open(sched).read()  # then: it ran since (its schedstat moved)
+            wait_until(lambda: open(sched).read() != before, what="the job to run")
+    # a parse whenever the last tick did not read the same bytes, and only then
+    expected, last = 0, {}
+    for n, data in reads:
+        expected += last.get(n - 1) != data
+        last[n] = data
+    assert len(reads) >= 4, reads
+    assert len(parses) == expected < len(reads)
+    n_last, data_last = reads[-1]
+    assert n_last == 7 and seen[-1] == real(data_last.decode())

@@ -328,3 +328,69 @@ def test_net_unix_inodes_name_a_live_socketpair_and_nothing_of_a_tcp_socket():
         assert procfs.parse_net_unix_inodes(text.splitlines()[0]) == frozenset()  # header only
     finally:
         a.close(), b.close(), t.close()
+
+
+def _general_sched(text: str):
+    """parse_sched_last_run with its fast path off: the general line-by-line parse."""
+    fast = procfs._sched_fast
+    procfs._sched_fast = lambda t: None
+    try:
+        return procfs.parse_sched_last_run(text)
+    finally:
+        procfs._sched_fast = fast
+
+
+def test_status_sched_and_io_fast_paths_read_what_the_general_parse_reads():
+    """status, sched and io are parsed by looking up the keys used (the kernel's layout) rather
+    than splitting every line: on every live task of this process and its parent (a thread
+    that sleeps, one that runs), and on the captured fixtures, the fast path gives exactly what
+    the general parse gives, and it does take the fast path."""
+    tasks = [f"/proc/{p}/task/{t}" for p in (os.getpid(), os.getppid())
+             for t in os.listdir(f"/proc/{p}/task")]
+    fixtures = [PROC / str(PIDS[r]) for r in ("server", "client", "zombie")]
+    statuses, scheds = 0, 0
+    for d in [*tasks, *fixtures]:
+        try:
+            status = open(f"{d}/status").read()
+        except OSError:
+            continue
+        assert procfs._status_fast(status) == procfs._status_general(status), d
+        statuses += 1
+        try:
+            sched = open(f"{d}/sched").read()
+        except OSError:
+            continue
+        assert procfs._sched_fast(sched) is not None, sched[:200]
+        assert procfs._sched_fast(sched) == _general_sched(sched), d
+        scheds += 1
+    assert statuses >= 3 and scheds >= 1
+    for io_text in (open(f"/proc/{os.getpid()}/io").read(), text("client", "io")):
+        words = io_text.split()
+        assert words[0::2] == procfs._IO_KEYS  # the fast path's layout
+        assert procfs.parse_io(io_text) == procfs.Io(*map(int, words[1::2]))
+
+
+def test_status_fast_path_takes_no_key_from_the_name_line():
+    """The Name line is the task's to choose: a name shaped like a key is not read as one."""
+    body = ("Umask:\t0022\nState:\tS (sleeping)\nTgid:\t42\nPPid:\t1\nUid:\t1000\t1000\t1000\t"
+            "1000\nThreads:\t3\nVmRSS:\t  2048 kB\nvoluntary_ctxt_switches:\t5\n"
+            "nonvoluntary_ctxt_switches:\t6\n")
+    st = procfs.parse_status("Name:\tUid:\t0\n" + body)
+    assert (st.name, st.uid, st.tgid, st.threads, st.rss_bytes) == ("Uid:\t0", 1000, 42, 3, 2 << 20)
+    assert (st.voluntary_ctxt_switches, st.nonvoluntary_ctxt_switches) == (5, 6)
+    empty_uid = "Name:\tx\n" + body.replace("Uid:\t1000\t1000\t1000\t1000", "Uid:")
+    assert procfs._status_fast(empty_uid) is None
+    with pytest.raises(ValueError):  # what the general parse decides, as before
+        procfs.parse_status(empty_uid)
+
+
+def test_sched_fast_path_leaves_an_odd_header_to_the_general_parse():
+    """A comm with a newline in it moves the row of dashes off the second line: the fast path
+    declines, and the general parse (which skips the comm) reads it."""
+    body = (f"{'-' * 67}\n{'se.exec_start':<45}:{'15050014.665672':>21}\n"
+            f"{'se.sum_exec_runtime':<45}:{'1.013071':>21}\n")
+    normal = f"python3 (42, #threads: 1)\n{body}"
+    assert procfs._sched_fast(normal) == (pytest.approx(15050.014665672), 1013071)
+    odd = f"a\nse.exec_start:9 (42, #threads: 1)\n{body}"
+    assert procfs._sched_fast(odd) is None
+    assert procfs.parse_sched_last_run(odd) == (pytest.approx(15050.014665672), 1013071)

@@ -105,6 +105,11 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         # the last tick's to compare with.
         self._parsed: dict[str, tuple[bytes, object]] = {}
         self._parsed_before: dict[str, tuple[bytes, object]] = {}
+        # The same for a thread's files read when it ran (_kept_optional): a thread that wakes
+        # every tick to sleep in the same place renders the same wait channel, syscall and
+        # stack each time, and is not parsed again. Only this tick's and the last tick's.
+        self._ran_parsed: dict[str, tuple[bytes, object]] = {}
+        self._ran_parsed_before: dict[str, tuple[bytes, object]] = {}
         self._children_ok: bool | None = None  # the kernel has /proc/PID/task/TID/children
         self._full_scan_mono: float | None = None
         self.max_open_files, self.read_stacks = max_open_files, read_stacks
@@ -197,6 +202,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         # float: every duration below is one, and ProcessObs is built unvalidated (built)
         tick = _Tick(now=float(self.clock.monotonic()), number=self._collects)
         self._parsed_before, self._parsed = self._parsed, {}
+        self._ran_parsed_before, self._ran_parsed = self._ran_parsed, {}
         self._collects, self._tick_tracks = self._collects + 1, 0
         stats = self._scan(tick)
         targets = self._resolve(stats)
@@ -239,7 +245,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         self._first_collect = False
 
         live = {k[0] for k in members}
-        return ProcessesObs(
+        return built(ProcessesObs, dict(  # unvalidated, as ProcessObs: our own typed values
             targets=tuple(p for p, s in targets if p in live),
             processes=tuple(observed),
             exited=self._exit_obs(tick.now),
@@ -250,7 +256,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             denied=tuple(sorted(tick.denied)),
             truncated=budget.reason, tree_processes=len(tree),
             watched_processes=len(observed), watched_threads=budget.threads,
-        )
+        ))
 
     def _torchrun(self, observed: list[ProcessObs]) -> list[ProcessObs]:
         """Mark torchrun agents and read their workers' ranks: a worker's environment only when
@@ -296,7 +302,8 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         wchan, syscall, stack, sched and status, when it ran): kept open and re-read with one
         pread instead of open, read, read, close (kernel/procfiles.py; a kept descriptor is bound
         to its task, so a reused tid never reads another's). They may fill half the kept budget
-        only (ProcFiles.read's share); _forget_memo closes them with the thread's memo."""
+        only (ProcFiles.read's share); _forget_memo closes them with the thread's memo. Bytes
+        the same as at the last tick are not parsed again (_ran_parsed)."""
         try:
             raw = self._kept.read_task_file(path)
         except Absent:
@@ -304,7 +311,11 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         except Denied:
             denied.add(signal)
             return None
-        return parse(raw.decode("utf-8", "replace"))
+        hit = self._ran_parsed_before.get(path)
+        # a path is always parsed by the same parser: its cached value is a T
+        value = cast(T, hit[1]) if hit is not None and hit[0] == raw else parse(raw.decode("utf-8", "replace"))
+        self._ran_parsed[path] = (raw, value)
+        return value
 
     def _kept_parsed(self, path: str, parse: Callable[[str], T], signal: str,
                      denied: set[str]) -> T | None:
@@ -417,7 +428,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             blkio_delay_s=(None if st.blkio_delay_ticks is None
                            else st.blkio_delay_ticks / self._tck),
             rss_bytes=status.rss_bytes if status else None, num_threads=st.num_threads,
-            io=IoObs(**{f: getattr(io, f) for f in IoObs.model_fields}) if io else None,
+            io=built(IoObs, {f: getattr(io, f) for f in IoObs.model_fields}) if io else None,
             io_unchanged_for_s=io_unchanged,
             num_fds=None if fds is None else len(fds),
             open_files=files, open_files_truncated=truncated, tcp=sockets, exit_code=exit_code,
@@ -475,7 +486,8 @@ class ProcessesProbe(TreeWalk, ThreadReader):
                 if info is not None:
                     pos, flags = info
                     write = procfs.opened_for_write(flags) if flags is not None else None
-            files.append(OpenFileObs(fd=fd, path=path, write=write, pos_bytes=pos))
+            files.append(built(OpenFileObs, {"fd": fd, "path": path, "write": write,
+                                             "pos_bytes": pos}))
         return tuple(files), len(others) > self.max_open_files, sockets
 
     def _tcp(self, pid: int, inodes: dict[int, int], tick: _Tick) -> tuple[SocketObs, ...]:
@@ -505,9 +517,10 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             tcp.clear()
         tcp.update(i for i in inodes if i in table)
         return tuple(
-            SocketObs(fd=fd, local_addr=s.local_addr, local_port=s.local_port,
-                      remote_addr=s.remote_addr, remote_port=s.remote_port, state=s.state,
-                      tx_queue_bytes=s.tx_queue_bytes, rx_queue_bytes=s.rx_queue_bytes)
+            built(SocketObs, dict(
+                fd=fd, local_addr=s.local_addr, local_port=s.local_port,
+                remote_addr=s.remote_addr, remote_port=s.remote_port, state=s.state,
+                tx_queue_bytes=s.tx_queue_bytes, rx_queue_bytes=s.rx_queue_bytes))
             for inode, fd in sorted(inodes.items(), key=lambda kv: kv[1])
             if (s := table.get(inode)) is not None
         )
@@ -542,10 +555,11 @@ class ProcessesProbe(TreeWalk, ThreadReader):
                 keep.remove(victim)
             self._exits = keep
             return tuple(
-                ExitObs(pid=e.pid, start_ticks=e.start_ticks, start_time=e.start_time, role=e.role,
-                        comm=e.comm, cmdline=e.cmdline, last_state=e.last_state,
-                        returncode=e.returncode, returncode_source=e.source,
-                        noticed_at=e.noticed_wall, exited_for_s=now - e.noticed_mono)
+                built(ExitObs, dict(
+                    pid=e.pid, start_ticks=e.start_ticks, start_time=e.start_time, role=e.role,
+                    comm=e.comm, cmdline=e.cmdline, last_state=e.last_state,
+                    returncode=e.returncode, returncode_source=e.source,
+                    noticed_at=float(e.noticed_wall), exited_for_s=float(now - e.noticed_mono)))
                 for e in keep
             )
 
