@@ -607,6 +607,18 @@ def test_new_descendants_found_from_the_kernels_children_lists(tmp_path):
                                           capture_output=True, text=True).stdout.strip()[:1] in ("Z", ""), 10)
         obs = probe.collect()
         assert kid not in [p.pid for p in obs.processes if p.state != "Z"]
-        clock.advance(ProcessesProbe.FULL_SCAN_EVERY_S)
-        probe.collect()
-        assert probe._full_scan_mono == clock.monotonic()  # and the full scan still comes round
+        # and the host is still looked at, a slice a collect (tests/test_tree_slices.py): the
+        # first cycle listed after this point reads every process alive through it
+        host = {int(n) for n in os.listdir("/proc") if n.isdigit()}
+        old, looked = probe._host_pids, None
+        for _ in range(2 * ProcessesProbe.SCAN_SLICES + 1):
+            probe.collect()
+            if looked is None and probe._host_pids is not old:
+                looked = set()
+            if looked is not None:
+                looked.update(probe._host_pids[:probe._host_pos])
+                if probe._host_pos == len(probe._host_pids):
+                    break
+        assert probe._full_scan_mono == full_at and looked is not None
+        still = {int(n) for n in os.listdir("/proc") if n.isdigit()}
+        assert host & still <= looked | {proc.pid}

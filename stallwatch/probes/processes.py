@@ -1,8 +1,8 @@
 """The processes probe: the job's process tree, every thread's kernel state, and its exits.
 
 Each collect() reads the stat (ppid, start time) of the job's tree — found through the kernel's
-per-thread `children` lists, with a scan of every /proc/*/stat at the first look, every 10 s and
-for --match — resolves the targets, walks their descendants, and reads per process and per
+per-thread `children` lists, with a scan of every /proc/*/stat at the first look and for --match,
+and a tenth of the host's stat files a collect (processes_tree.py) — resolves the targets, walks their descendants, and reads per process and per
 thread what a stall diagnosis needs: state letter, wait channel, syscall, kernel stack, context
 switches, CPU, I/O counters, open files and TCP sockets. The probe keeps a little state between
 ticks so that rules can stay stateless: how long each task has been in its state, in D, without a

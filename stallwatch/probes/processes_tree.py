@@ -52,22 +52,68 @@ class TreeWalk:
     # Finding new descendants by reading every /proc/*/stat costs ~11 µs per process on the
     # host each tick (20 ms on a 2,000-process GPU node); the kernel's per-thread `children`
     # lists give the job's tree alone. They are documented as possibly missing a child forked
-    # while they are read, so a full scan still runs every FULL_SCAN_EVERY_S, and always for
-    # --match (which must look at every command line) and at the first look.
+    # while they are read, so every host process is still looked at once every
+    # FULL_SCAN_EVERY_S, a slice a collect (_missed_child), and the whole of /proc is read at
+    # once for --match (which must look at every command line), at the first look, past the
+    # caps, and when a slice finds a child of the tree that the lists missed.
+    # Sliced, not whole: the whole scan every 10th tick was a wide job's slowest tick (issue 17:
+    # 8 × 128 idle threads here, 4.7 ms for the scan and 12 ms more for its threads, which a
+    # tick without the walk reads one by one instead of in the walk's batch; p99 of the tick).
     FULL_SCAN_EVERY_S = 10.0
+    SCAN_SLICES = 10  # a collect reads this share of the host's stat files (1/SCAN_SLICES)
+    # The slice state (class defaults: ProcessesProbe.__init__ need not know them).
+    _host_pids: tuple[int, ...] = ()  # the current cycle's listing of /proc
+    _host_pos: int = 0  # where the next slice starts in it
+    _host_step: int = 1  # a slice's length
+    _host_cycle_mono: float = 0.0  # when the listing was taken
+    _host_stats: dict[int, tuple[str, procfs.Stat]] | None = None  # pid -> (stat text, parse)
 
     def _scan(self, tick: _Tick) -> dict[int, procfs.Stat]:
         now = self.clock.monotonic()
         # A tree past the caps costs less through one stat per host process than through the
         # `children` list of each of its threads.
         if (self._match is None and not self._first_collect and not self._wide
-                and self._children_readable()
-                and self._full_scan_mono is not None and now - self._full_scan_mono < self.FULL_SCAN_EVERY_S):
+                and self._children_readable()):
             stats = self._scan_tree(tick)
-            if stats is not None:
+            if stats is not None and not self._missed_child(stats, now):
                 return stats
         self._full_scan_mono = now
+        self._host_pids, self._host_pos = (), 0  # a new cycle after a whole scan
         return self._scan_all()
+
+    def _missed_child(self, stats: dict[int, procfs.Stat], now: float) -> bool:
+        """Read this collect's slice of the host's processes: True when one of them is a child
+        of the tree the walk did not find (then the caller reads all of /proc, which finds its
+        descendants too). The listing is taken once a cycle; a cycle ends after SCAN_SLICES
+        collects or FULL_SCAN_EVERY_S, whichever comes first (a slow interval reads the rest at
+        once), so each process that lived through a cycle was looked at in it, and one born
+        after a listing in the next: within 2 × FULL_SCAN_EVERY_S of its fork at worst."""
+        if self._host_pos >= len(self._host_pids):
+            pids = tuple(int(n) for n in self.roots.listdir(self._paths.root) if n.isdigit())
+            old = self._host_stats or {}
+            self._host_stats = {p: old[p] for p in pids if p in old}  # the departed forgotten
+            self._host_pids, self._host_pos, self._host_cycle_mono = pids, 0, now
+            self._host_step = max(1, -(-len(pids) // self.SCAN_SLICES))
+        pos, pids, cache = self._host_pos, self._host_pids, self._host_stats
+        assert cache is not None
+        end = (len(pids) if now - self._host_cycle_mono >= self.FULL_SCAN_EVERY_S
+               else pos + self._host_step)
+        self._host_pos = end
+        for pid in pids[pos:end]:
+            if pid in stats:
+                continue  # in the tree already
+            try:
+                text = self.roots.read_text(self._paths.pid(pid, "stat"))
+            except (Absent, Denied):
+                cache.pop(pid, None)
+                continue
+            # Most host processes sleep: their line is the one read a cycle ago, and so its parse.
+            hit = cache.get(pid)
+            st = hit[1] if hit is not None and hit[0] == text else procfs.parse_stat(text)
+            cache[pid] = (text, st)
+            if st.ppid in stats:
+                return True
+        return False
 
     def _children_readable(self) -> bool:
         if self._children_ok is None:

@@ -1,0 +1,100 @@
+"""The processes probe's safety net under the kernel's `children` lists (processes_tree.py): every
+host process is looked at once per cycle, a slice a collect, instead of all of /proc every 10 s
+in one tick (issue 17: that tick was the wide job's p99). A child the lists missed is found by
+the slice that holds it, and the whole scan then runs in that tick."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import pytest
+from rigs import spawned
+
+from stallwatch.clock import FakeClock
+from stallwatch.kernel.roots import Roots
+from stallwatch.probes.processes import ProcessesProbe
+from stallwatch.probes.targets import Target
+
+pytestmark = pytest.mark.skipif(
+    not os.path.isfile(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
+    reason="this kernel has no /proc/PID/task/TID/children (CONFIG_PROC_CHILDREN)")
+
+# A parent that forks one sleeping child when told to on stdin, and prints its pid.
+PARENT = ("import subprocess, sys\n"
+          "sys.stdin.readline()\n"
+          "p = subprocess.Popen(['sleep', '600'])\n"
+          "print(p.pid, flush=True)\n"
+          "sys.stdin.readline()\n")
+
+
+def test_a_child_the_lists_missed_is_found_by_its_slice():
+    clock = FakeClock()
+    with spawned([sys.executable, "-c", PARENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                 text=True) as proc:
+        probe = ProcessesProbe(Target(pids=(proc.pid,)), clock=clock)
+        probe.collect()  # the first look: all of /proc
+        full_at = probe._full_scan_mono
+        # The kernel's lists "may miss a child forked while read" (proc(5)): this probe's walk
+        # misses every child of the parent from now on.
+        real = probe._children_of
+        probe._children_of = lambda st, tick: [] if st.pid == proc.pid else real(st, tick)
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write("fork\n")
+        proc.stdin.flush()
+        kid = int(proc.stdout.readline())
+        found_after = None
+        # Collect until the cycle's listing holds the child (it was born after the first one)
+        # and its slice is read: at most two cycles.
+        for n in range(1, 2 * ProcessesProbe.SCAN_SLICES + 2):
+            clock.advance(0.5)  # the cycle's deadline (FULL_SCAN_EVERY_S) not reached first
+            obs = probe.collect()
+            if kid in [p.pid for p in obs.processes]:
+                found_after = n
+                break
+            assert probe._full_scan_mono == full_at  # no whole scan until its slice
+        assert found_after is not None, "the sliced scan never found the missed child"
+        assert probe._full_scan_mono == clock.monotonic()  # found by the whole scan it set off
+        assert [p.ppid for p in obs.processes if p.pid == kid] == [proc.pid]
+
+
+@dataclass(frozen=True)
+class CountingRoots(Roots):
+    """The host's /proc, noting each /proc/PID/stat read as text (the scans' reads)."""
+
+    reads: list[int] = field(default_factory=list)
+
+    def read_text(self, path, limit: int = 1 << 20) -> str:
+        parts = str(path).split("/")
+        if parts[-1] == "stat" and len(parts) == 4:  # /proc/PID/stat, not a thread's
+            self.reads.append(int(parts[2]))
+        return super().read_text(path, limit)
+
+
+def test_each_host_process_is_read_once_a_cycle_in_slices():
+    """A cycle reads each listed process's stat once, in SCAN_SLICES collects of near-equal
+    size; a collect past FULL_SCAN_EVERY_S since the listing reads the rest at once."""
+    clock = FakeClock()
+    with spawned([sys.executable, "-c", PARENT], stdin=subprocess.PIPE) as proc:
+        reads: list[int] = []
+        probe = ProcessesProbe(Target(pids=(proc.pid,)), roots=CountingRoots(reads=reads), clock=clock)
+        probe.collect()
+        reads.clear()
+        sizes = []
+        for _ in range(3):
+            clock.advance(0.5)
+            before = len(reads)
+            probe.collect()
+            sizes.append(len(reads) - before)
+        pids = probe._host_pids
+        assert probe._host_pos == 3 * probe._host_step
+        assert set(reads) <= set(pids) and len(reads) == len(set(reads))  # each once
+        assert max(sizes) <= probe._host_step
+        clock.advance(ProcessesProbe.FULL_SCAN_EVERY_S)  # the cycle's deadline: the rest now
+        probe.collect()
+        assert probe._host_pos == len(pids)
+        alive = {int(n) for n in os.listdir("/proc") if n.isdigit()}
+        missing = (set(pids) & alive) - set(reads) - {proc.pid}
+        assert not missing
