@@ -106,13 +106,13 @@ def test_skipping_unchanged_rules_changes_nothing(tmp_path_factory, timeline) ->
 def test_a_rule_whose_inputs_did_not_change_is_not_evaluated_again(tmp_path, monkeypatch) -> None:
     rules = _rules(tmp_path)
     judged: list[str] = []
-    judge = Evaluator._judge
+    judge = Evaluator._fresh  # every rule evaluated afresh goes through it
 
-    def counting(rule, env, errors):
+    def counting(self, rule, *args):
         judged.append(rule.name)
-        return judge(rule, env, errors)
+        return judge(self, rule, *args)
 
-    monkeypatch.setattr(Evaluator, "_judge", staticmethod(counting))
+    monkeypatch.setattr(Evaluator, "_fresh", counting)
     ev = Evaluator(rules)
     data = {"job": {"alive": True, "comm": "a", "pid": 1, "noise": 0},
             "log": {"idle_s": 4, "other": 0}, "proc": {"threads": [], "n": 0}}

@@ -272,6 +272,10 @@ class Evaluator:
         self.health_changes = 0  # how many times a rule's health changed: what savers compare
         self._all_ok = -1  # health_changes when every rule was last seen ok
         self._health_shot: tuple[int, tuple[RuleStatus, ...]] | None = None
+        self._having: set[str] = set()  # the rules with instances as this tick began
+        # The last verdict and the alert it was made of: an alert snapshot is a new object only
+        # when its state or text changed (_Instance.shot), and so is the verdict then.
+        self._verdict_of: tuple[Alert, Verdict] | None = None
 
     # -- state that outlives this evaluator
 
@@ -348,6 +352,7 @@ class Evaluator:
         if self._last is not None and now < self._last:
             raise ValueError(f"time went backwards: {now} < {self._last}")
         self._last = now
+        self._having = {name for name, _ in self._active}
         errors: list[EvalError] = []
         transitions: list[Transition] = []
         odd: list[type] = []
@@ -381,9 +386,18 @@ class Evaluator:
         # Validated, not model_construct: pydantic 2's validation (Rust) takes half the time
         # of model_construct (Python) for these models (2 µs against 4 µs for an Alert).
         return Evaluation(
-            at=now, verdict=_verdict([a for a in firing if not a.warning]),
+            at=now, verdict=self._verdict([a for a in firing if not a.warning]),
             alerts=tuple(alerts), warnings=tuple(a for a in firing if a.warning),
             transitions=tuple(transitions), errors=tuple(errors), health=self.health())
+
+    def _verdict(self, firing: list[Alert]) -> Verdict:
+        if not firing:
+            return UNKNOWN
+        best = firing[0] if len(firing) == 1 else _best(firing)
+        last = self._verdict_of
+        if last is None or last[0] is not best:  # a frozen model: the same one is shared
+            last = self._verdict_of = (best, _verdict_from(best))
+        return last[1]
 
     def evaluate_once(self, data: Mapping[str, Any] | Vars, *, ignore_for: bool = True
                       ) -> Evaluation:
@@ -473,16 +487,11 @@ class Evaluator:
                 continue
             self._memo.pop(rule.name, None)
             n_errors = len(errors)
-            use: Vars = env
-            if rule.name in lean and _true(rule, env):
-                whole = self._context(pick(data, self._reads[rule.name].every), errors)
-                if whole is None:
-                    continue
-                use = whole
-            judged = self._judge(rule, use, errors)
+            reads = self._reads[rule.name]
+            judged = self._fresh(rule, env, rule.name in lean, data, errors)
             if judged is None:
                 continue
-            active, labels = judged
+            active, labels, use, prefix = judged
             texts: list[_Text] = []
 
             def text(rule: Rule = rule, texts: list[_Text] = texts, env: Vars = use) -> _Text:
@@ -491,11 +500,39 @@ class Evaluator:
 
             self._apply(rule, active, labels, text, now, transitions)
             if len(errors) == n_errors:  # a rule that failed is evaluated again next tick
-                reads = self._reads[rule.name]
                 self._memo[rule.name] = _Memo(
                     cond_in, active, labels, pick(data, reads.text) if active else None,
-                    texts[-1] if texts else None,
-                    None if active else _first_false(reads.conj, use, data))
+                    texts[-1] if texts else None, None if active else prefix)
+
+    def _fresh(self, rule: Rule, env: Vars, lean: bool, data: dict[str, Any],
+               errors: list[EvalError]) -> tuple[bool, tuple[tuple[str, str], ...], Vars,
+                                                  tuple[Paths, dict[str, Any]] | None] | None:
+        """A rule evaluated afresh: active, labels, the context its texts render from, and while
+        false its first false conjunct's prefix (`_Memo.prefix`); None when it failed.
+
+        A `lean` rule (false last tick, its context holding what its condition reads alone) is
+        most likely false still: its conjuncts one by one, left to right, until one is false
+        (then so is the condition: CEL's `&&`, inputs.conjuncts), instead of the whole
+        condition and then its conjuncts again. Only an error, a non-bool or every conjunct
+        true evaluates the whole condition, as for any rule."""
+        reads = self._reads[rule.name]
+        prefix = _first_false(reads.conj, env, data) if lean else None
+        if prefix is not None:
+            return False, (), env, prefix
+        try:
+            active = rule.condition.evaluate_bool(env)
+        except ExprEvalError as exc:
+            errors.append(_error(rule, "condition", exc))
+            return None
+        if not active:  # (lean: _first_false found no prefix in the same context)
+            return False, (), env, None if lean else _first_false(reads.conj, env, data)
+        if lean:  # true now: its labels and texts read more than its condition
+            wide = self._context(pick(data, reads.every), errors)
+            if wide is None:
+                return None
+            env = wide
+        labels = self._labels(rule, env, errors)
+        return None if labels is None else (True, labels, env, None)
 
     def _union(self, names: tuple[str, ...], lean: tuple[str, ...] = ()) -> Paths:
         """What the rules `names` read; those also in `lean`, their conditions alone."""
@@ -528,8 +565,14 @@ class Evaluator:
         except ExprEvalError as exc:
             errors.append(_error(rule, "condition", exc))
             return None
+        labels = Evaluator._labels(rule, env, errors) if active else ()
+        return None if labels is None else (active, labels)
+
+    @staticmethod
+    def _labels(rule: Rule, env: Vars, errors: list[EvalError]
+                ) -> tuple[tuple[str, str], ...] | None:
         try:
-            return active, (_render_labels(rule, env) if active else ())
+            return tuple((k, tpl.render(env)) for k, tpl in rule.labels)
         except ExprEvalError as exc:
             errors.append(_error(rule, "labels", exc))  # no labels, no identity
             return None
@@ -554,6 +597,8 @@ class Evaluator:
                         inst.enter(AlertState.FIRING, now - saved.firing_s)
             else:
                 inst.set_text(text())
+        elif rule.name not in self._having:
+            return  # no instance to advance (an inactive rule adds none)
         for key, inst in list(self._active.items()):
             if inst.rule is rule:
                 self._advance(key, inst, key == seen, now, transitions)
@@ -592,14 +637,6 @@ def _transition(inst: _Instance, before: AlertState, now: float) -> Transition:
                       to_state=inst.state, at=now, alert=inst.snapshot())
 
 
-def _true(rule: Rule, env: Vars) -> bool:
-    """Whether `rule`'s condition holds; False when it fails (_judge then says why)."""
-    try:
-        return rule.condition.evaluate_bool(env)
-    except ExprEvalError:
-        return False
-
-
 def _error(rule: Rule, where: str, exc: ExprEvalError) -> EvalError:
     return EvalError(rule=rule.name, where=where, error=f"{exc.message} in `{exc.source}`")
 
@@ -617,10 +654,6 @@ def _first_false(conj: tuple[tuple[Expr, Paths], ...], env: Vars, data: dict[str
         if value is not True:
             return None
     return None
-
-
-def _render_labels(rule: Rule, env: Vars) -> tuple[tuple[str, str], ...]:
-    return tuple((k, tpl.render(env)) for k, tpl in rule.labels)
 
 
 def _render_text(rule: Rule, env: Vars, errors: list[EvalError]) -> _Text:
@@ -662,11 +695,12 @@ def _render_text(rule: Rule, env: Vars, errors: list[EvalError]) -> _Text:
     )
 
 
-def _verdict(firing: list[Alert]) -> Verdict:
-    if not firing:
-        return UNKNOWN
-    best = min(firing, key=lambda a: (-a.priority, -SEVERITY_RANK[a.severity], a.rule,
+def _best(firing: list[Alert]) -> Alert:
+    return min(firing, key=lambda a: (-a.priority, -SEVERITY_RANK[a.severity], a.rule,
                                       sorted(a.labels.items())))
+
+
+def _verdict_from(best: Alert) -> Verdict:
     return Verdict(kind=best.kind, summary=best.summary, evidence=best.evidence,
                    advice=best.advice, cause=best.cause, rule=best.rule,
                    severity=best.severity, labels=best.labels)
