@@ -89,3 +89,55 @@ def test_a_symlinked_root_pointed_elsewhere_is_resolved_afresh(tmp_path: Path) -
         assert (o.file_count, probe._base) == (2, str(b))
     finally:
         probe.close()
+
+
+def test_a_closed_file_is_left_alone_until_opened_again(tmp_path: Path, monkeypatch) -> None:
+    """With inotify: a hot file closed after writing is re-stat'ed every HOT_CLOSED_EVERY_S only;
+    opened again (IN_OPEN), it is looked at that tick (an O_TRUNC open changed it already) and
+    at the hot cadence again while it is written, no close needed."""
+    out = tmp_path / "out"
+    out.mkdir()
+    clock = FakeClock(monotonic=1000.0, wall=time.time())
+    probe = outputs_mod.OutputsProbe(out, clock=clock, reconcile_every_s=1e9, hot_window_s=120.0)
+    stats: list[str] = []
+    real = outputs_mod.os.lstat
+    monkeypatch.setattr(outputs_mod.os, "lstat",
+                        lambda p, *a, **kw: stats.append(os.path.basename(p)) or real(p, *a, **kw))
+    try:
+        assert probe.collect().watch_mode == "inotify"
+        (out / "a.bin").write_bytes(b"x" * 10)  # created, written, closed: as a job writes
+        clock.advance(1.0)
+        assert probe.collect().total_bytes == 10
+        stats.clear()
+        for _ in range(int(outputs_mod.HOT_CLOSED_EVERY_S) - 2):  # fresh and slow cadences pass
+            clock.advance(1.0)
+            probe.collect()
+        assert "a.bin" not in stats, stats
+        clock.advance(2.0)
+        probe.collect()
+        assert stats.count("a.bin") == 1, stats  # the closed cadence
+        f = open(out / "a.bin", "r+b")  # opened again, O_TRUNC-free: nothing changed yet
+        try:
+            clock.advance(1.0)
+            stats.clear()
+            assert probe.collect().total_bytes == 10 and stats.count("a.bin") == 1
+            f.seek(0, os.SEEK_END)
+            f.write(b"y" * 5)
+            f.flush()  # still open: no IN_CLOSE_WRITE
+            clock.advance(outputs_mod.HOT_SLOW_EVERY_S)
+            assert probe.collect().total_bytes == 15
+            clock.advance(1.0)  # changed: fresh, so every tick
+            f.write(b"z")
+            f.flush()
+            assert probe.collect().total_bytes == 16
+        finally:
+            f.close()
+        clock.advance(1.0)
+        probe.collect()
+        stats.clear()
+        with open(out / "a.bin", "wb"):  # opened with O_TRUNC and held open: 0 bytes at once
+            clock.advance(1.0)
+            o = probe.collect()
+            assert o.total_bytes == 0 and stats.count("a.bin") == 1, (o.total_bytes, stats)
+    finally:
+        probe.close()

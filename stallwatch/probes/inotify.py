@@ -21,14 +21,15 @@ import errno
 import os
 import struct
 
-IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = 0x2, 0x4, 0x8
+IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE, IN_OPEN = 0x2, 0x4, 0x8, 0x20
 IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x40, 0x80, 0x100, 0x200
 IN_DELETE_SELF, IN_MOVE_SELF = 0x400, 0x800
 IN_Q_OVERFLOW, IN_IGNORED, IN_ISDIR = 0x4000, 0x8000, 0x40000000
 IN_ONLYDIR, IN_DONT_FOLLOW = 0x01000000, 0x02000000
 # Not IN_MODIFY: one event per write(2), and a file being written is re-stat'ed every tick while
-# it is hot anyway (from its creation to its close).
-MASK = (IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE | IN_DELETE_SELF
+# it is hot anyway (from its creation to its close). IN_OPEN: a file closed after writing is
+# left alone until it is opened again (the outputs probe), one event per open.
+MASK = (IN_CLOSE_WRITE | IN_OPEN | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE | IN_DELETE_SELF
         | IN_MOVE_SELF | IN_ONLYDIR | IN_DONT_FOLLOW)
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len
 _READ_BYTES = 256 * 1024
@@ -52,7 +53,9 @@ class InotifyWatch:
         self.lost = False  # since the last drain: the caller must reconcile
         self.error: str | None = None  # the last watch that could not be added
         self.root_gone = False
-        self.closed: list[str] = []  # files closed after writing since the last drain
+        # Since the last drain, in order: (file, True) closed after writing, (file, False) opened.
+        # An open changes nothing by itself, so it is not among drain()'s paths.
+        self.closes: list[tuple[str, bool]] = []
         self._wd: dict[int, str] = {}
         lib = _lib()
         fd = lib.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -143,10 +146,14 @@ class InotifyWatch:
                     self.root_gone = True
                 out.append(base)
                 continue
+            if mask & IN_OPEN:
+                if raw and not mask & IN_ISDIR:
+                    self.closes.append((os.path.join(base, os.fsdecode(raw)), False))
+                continue
             path = os.path.join(base, os.fsdecode(raw)) if raw else base
             out.append(path)
             if mask & IN_CLOSE_WRITE and not mask & IN_ISDIR:
-                self.closed.append(path)
+                self.closes.append((path, True))
             if mask & IN_ISDIR and mask & (IN_CREATE | IN_MOVED_TO):
                 self._add_tree(path, out)
 

@@ -53,7 +53,11 @@ from stallwatch.kernel.roots import DEFAULT_ROOTS, Roots
 RECONCILE_SLICE_ENTRIES = 400  # ~1.5 ms a tick here (10^6-file bench, docs/performance.md)
 RACY_NS = 2_000_000_000  # FAT has 2 s mtimes; ext4/xfs are finer, NFS depends on the server
 HOT_FRESH_S = 10.0  # a hot file changed this recently is re-stat'ed every tick ...
-HOT_SLOW_EVERY_S = 5.0  # ... an older hot file this often
+HOT_SLOW_EVERY_S = 5.0  # ... an older hot file this often ...
+# ... and one closed after writing (inotify) and not opened since this often: only a write
+# through another descriptor still open, a shared mapping or a truncate(2) by path can change it
+# unseen by events, and the reconciliation finds those too.
+HOT_CLOSED_EVERY_S = 30.0
 MAX_PENDING = 200_000  # queued event paths; past this we drop them and reconcile instead
 NETWORK_FS = {
     "nfs", "nfs4", "cifs", "smb3", "smbfs", "ncpfs", "afs", "9p", "lustre", "gpfs", "beegfs",
@@ -213,13 +217,15 @@ class OutputsProbe:
         # Both ordered by their value, oldest first (each write moves its key to the end, and
         # the clock only moves on), so a tick looks only at their ends, not at every hot file.
         self._hot: OrderedDict[str, float] = OrderedDict()  # hot file -> when it last changed
-        # hot file -> when last re-stat'ed (when it got hot, before that): the same keys as _hot
+        # hot file -> when last re-stat'ed (when it got hot, before that), for the hot files
+        # not in _closed: the keys of the two are _hot's, each ordered by its value
         self._hot_checked: OrderedDict[str, float] = OrderedDict()
-        # Hot files closed after writing (inotify's IN_CLOSE_WRITE) since they last changed: a
-        # writer must open them again to change them, so they are re-stat'ed at the slower
-        # cadence, not every tick (issue 17: a job writing 5 files a second kept ~50 fresh).
-        self._closed: set[str] = set()
-        self._just_closed: list[str] = []
+        # Hot files closed after writing (inotify's IN_CLOSE_WRITE) and not opened since (IN_OPEN)
+        # -> when last re-stat'ed: a writer must open them again to change them, so they are
+        # re-stat'ed every HOT_CLOSED_EVERY_S only (issue 17: a job writing 5 files a second
+        # kept ~50 fresh ones stat'ed every tick, then ~50 closed ones every tick at 5 s).
+        self._closed: OrderedDict[str, float] = OrderedDict()
+        self._just_closed: list[tuple[str, bool]] = []  # inotify's closes and opens, in order
         self._initial = True  # the next reconciliation learns history: no "changes", no "new"
 
     def _dir(self, rel: str) -> _Dir:
@@ -255,12 +261,12 @@ class OutputsProbe:
     def _heat(self, rel: str, now: float) -> None:
         self._hot[rel] = now
         self._hot.move_to_end(rel)
+        self._closed.pop(rel, None)
         self._checked(rel, now)
-        self._closed.discard(rel)
         while len(self._hot) > self.max_hot:
             cold = self._hot.popitem(last=False)[0]
             self._hot_checked.pop(cold, None)
-            self._closed.discard(cold)
+            self._closed.pop(cold, None)
 
     def _drop(self, dirrel: str, name: str, now: float) -> bool:
         d = self._dirs.get(dirrel)
@@ -273,7 +279,7 @@ class OutputsProbe:
         self._recent.pop(rel, None)
         self._hot.pop(rel, None)
         self._hot_checked.pop(rel, None)
-        self._closed.discard(rel)
+        self._closed.pop(rel, None)
         if self._newest and self._newest[1] == rel:
             self._newest_stale = True
         self._last_change = now
@@ -464,29 +470,35 @@ class OutputsProbe:
         self._hot_checked[rel] = now
         self._hot_checked.move_to_end(rel)
 
-    def _restat_hot(self, now: float) -> None:
+    def _restat_hot(self, now: float, reopened: list[str] | tuple[()] = ()) -> None:
         # A file that changed within HOT_FRESH_S is re-stat'ed every tick; one that has been
         # still for longer, or was closed after writing, every HOT_SLOW_EVERY_S: a job writing 5
         # files a second keeps ~300 files hot, and stat'ing all of them every tick was most of
         # this probe's cost. Only the ends of the two ordered maps are looked at (issue 17:
         # scanning all 256 hot entries cost ~40-90 us a tick for ~10 that were due).
-        hot, checked = self._hot, self._hot_checked
+        hot, checked, closed = self._hot, self._hot_checked, self._closed
         while hot:
             rel, t = next(iter(hot.items()))
             if now - t <= self.hot_window_s:
                 break
             del hot[rel]
             checked.pop(rel, None)
-            self._closed.discard(rel)
+            closed.pop(rel, None)
         due: dict[str, None] = {}
         for rel in reversed(hot):  # the fresh ones: changed within HOT_FRESH_S
             if now - hot[rel] >= HOT_FRESH_S:
                 break
-            if rel not in self._closed:
+            if rel not in closed:
                 due[rel] = None
         for rel, t in checked.items():  # the slow ones: not looked at for HOT_SLOW_EVERY_S
             if now - t < HOT_SLOW_EVERY_S:
                 break
+            due[rel] = None
+        for rel, t in closed.items():  # closed after writing, not opened since
+            if now - t < HOT_CLOSED_EVERY_S:
+                break
+            due[rel] = None
+        for rel in reopened:  # opened again this tick: an O_TRUNC open changed it already
             due[rel] = None
         # A closed file is re-stat'ed every HOT_SLOW_EVERY_S: at 5 files a second and 1 s ticks,
         # ~50 a tick, nearly all unchanged. So each costs the lstat and a lookup; os.path.join
@@ -495,7 +507,11 @@ class OutputsProbe:
         for rel in due:
             if rel not in hot:  # dropped meanwhile, with its directory
                 continue
-            self._checked(rel, now)
+            if rel in closed:
+                closed[rel] = now
+                closed.move_to_end(rel)
+            else:
+                self._checked(rel, now)
             dirrel, name = _split(rel)
             try:
                 st = os.lstat(prefix + rel)
@@ -542,8 +558,8 @@ class OutputsProbe:
         paths = w.drain()
         if paths:
             self._enqueue(*paths)
-        closed, w.closed = w.closed, []
-        self._just_closed.extend(closed)
+        closes, w.closes = w.closes, []
+        self._just_closed.extend(closes)
         lost, w.lost = w.lost, False
         if w.error:
             self._watch_error = w.error
@@ -596,13 +612,20 @@ class OutputsProbe:
         elif now - self._sweep_started >= period:
             self._reconcile(now, full=False, phase=phase, sliced=True)
         self._apply_events(now)
-        for p in self._just_closed:  # after their events' lstat: that is their closed state
+        reopened: list[str] = []
+        for p, closed in self._just_closed:  # after their events' lstat: that is their closed state
             rel = self._rel(p)
-            if rel in self._hot:
-                self._closed.add(rel)
-                self._checked(rel, now)
+            if rel not in self._hot:
+                continue
+            if closed:
+                self._hot_checked.pop(rel, None)
+                self._closed[rel] = now
+                self._closed.move_to_end(rel)
+            elif self._closed.pop(rel, None) is not None:
+                self._checked(rel, now)  # at the hot cadence again, from now on
+                reopened.append(rel)
         self._just_closed.clear()
-        self._restat_hot(now)
+        self._restat_hot(now, reopened)
         return self._obs(now, ProbeStatus.ok, None)
 
     def _resolve_base(self) -> os.stat_result:
