@@ -25,7 +25,7 @@ from stallwatch.kernel.diskfs import (
     parse_diskstats, parse_mountinfo, path_in_filesystem,
 )
 from stallwatch.model import Frozen
-from stallwatch.probes.base import HANDOFF_SHARE, Batch, Call, Lane, ProbeStatus
+from stallwatch.probes.base import HANDOFF_SHARE, Call, Lane, ProbeStatus
 from stallwatch.probes.processes_obs import built
 from stallwatch.kernel.roots import DEFAULT_ROOTS, Absent, Denied, Roots
 
@@ -167,7 +167,9 @@ class DisksProbe:
         self._mi_fd: int | None = None
         self._mi_fresh = False  # read since the last event: nothing changed until POLLPRI
         self._mi_path: str | None = None
-        self._devices: dict[MountInfo, tuple[BlockDeviceRef | None, float]] = {}
+        # mount_id -> its device, when read; cleared with the mount table it is unique in (a
+        # MountInfo as the key hashed its eleven fields in Python, on each look-up)
+        self._devices: dict[int, tuple[BlockDeviceRef | None, float]] = {}
         self._mount_of: dict[str, MountInfo | None] = {}  # path -> mount, while mountinfo is the same
         self._diskstats_lines: dict[str, DiskStat] = {}  # a line as last read -> its parse
         # /proc/diskstats on the real procfs is read through a kept descriptor, from offset 0
@@ -334,11 +336,11 @@ class DisksProbe:
             return found
 
     def _device_for(self, mount: MountInfo, now: float) -> BlockDeviceRef | None:
-        hit = self._devices.get(mount)
+        hit = self._devices.get(mount.mount_id)
         if hit is not None and now - hit[1] < DEVICE_TTL_S:
             return hit[0]
         device = device_for_mount(mount, self.roots)
-        self._devices[mount] = (device, now)
+        self._devices[mount.mount_id] = (device, now)
         return device
 
     # -- filesystem calls (may hang) -----------------------------------------------------------
@@ -350,7 +352,13 @@ class DisksProbe:
         call = Call(path, lambda: self._inspect(path, is_shm))
         self._calls[path] = (call, tick_start)
         if is_shm and self._in_memory(path):
-            Batch([call], self.clock).run(call)  # tmpfs: kernel memory, cannot block; no handoff (issue 17)
+            # tmpfs: kernel memory, cannot block: run here, with no batch to hand out (issue 17)
+            call.started = self.clock.monotonic()
+            try:
+                call.value = call.fn()
+            except Exception as e:  # noqa: BLE001 - its result, as a worker's would be
+                call.error = e
+            call.finished, call.done = self.clock.monotonic(), True
         else:
             fresh.append(call)
         return call, tick_start
