@@ -270,3 +270,27 @@ def test_a_tick_with_nothing_new_hands_on_the_same_observation(tmp_path: Path) -
     assert out is not held and out.records_read == 0  # no record was read
     assert out.counts == {"hung_task": 1, "oom_kill": 1}
     assert probe.collect() is out  # read nothing, as it did: equal field for field
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: reads and writes /dev/kmsg")
+def test_on_dev_kmsg_a_quiet_tick_polls_and_hands_on_the_same_observation() -> None:
+    """The real /dev/kmsg: with nothing waiting (poll), no read; a record written makes the
+    next observation new. Other work on the host may log meanwhile: wait for a quiet pair."""
+    probe = KmsgProbe(history=False)
+    try:
+        last = probe.collect()
+        if last.status is not ProbeStatus.ok:
+            pytest.skip(f"/dev/kmsg not readable here: {last.error}")
+        deadline = time.monotonic() + 10
+        while (obs := probe.collect()) is not last:
+            assert time.monotonic() < deadline, "/dev/kmsg never quiet for two ticks"
+            last = obs
+        assert probe._reader.nothing_new() and probe.collect() is last
+        with open("/dev/kmsg", "w") as f:  # a userspace record: read, though no kernel event
+            f.write("stallwatch test: idle5 kmsg poll\n")
+        new = probe.collect()
+        assert new is not last and new.records_read >= 1 and new.cursor is not None
+        assert last.cursor is None or new.cursor > last.cursor
+    finally:
+        probe.close()

@@ -306,6 +306,11 @@ class DeadlineRunner:
         with self._lock:
             return [k for k, c in self._inflight.items() if not c.done]
 
+    def is_stuck(self, name: str) -> bool:
+        """Whether a call of `name` is still running (without building stuck()'s list)."""
+        call = self._inflight.get(name)  # one dict read: atomic, no lock needed
+        return call is not None and not call.done
+
     def call(self, name: str, fn, deadline_s: float) -> tuple[Any, ProbeReport]:
         return self.call_many([(name, fn, deadline_s)])[0]
 

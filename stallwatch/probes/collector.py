@@ -95,14 +95,17 @@ class Collector:
         done = {p.name: self._without_worker(p) for p in probes}
         done = {name: got for name, got in done.items() if got is not None}
         procs: list[ProcessesObs] = []
-        procs_ran = threading.Event()
-        procs_busy = self.processes.name in self.runner.stuck()  # its call will not be made
+        # Held until the processes probe's call ends: a bare lock is the cheapest thing to wait
+        # on (an Event makes a Condition and a lock per tick).
+        procs_ran = threading.Lock()
+        procs_ran.acquire()
+        procs_busy = self.runner.is_stuck(self.processes.name)  # its call will not be made
 
         def processes() -> ProcessesObs:
             try:
                 procs.append(self.processes.collect())
             finally:
-                procs_ran.set()
+                procs_ran.release()
             return procs[-1]
 
         def disks():
@@ -111,7 +114,8 @@ class Collector:
             # this waits for it as long as its deadline, then goes on with the static paths
             # alone, as when the processes probe times out (or is still stuck: not in the batch).
             if not procs_busy:
-                procs_ran.wait(max(0.0, t0 + self.deadline_s - self.clock.monotonic()))
+                if procs_ran.acquire(timeout=max(0.0, t0 + self.deadline_s - self.clock.monotonic())):
+                    procs_ran.release()
             self.disks.paths = _disk_paths(self._static_paths, procs[0] if procs else None)
             return self.disks.collect()
 

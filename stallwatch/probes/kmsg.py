@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import select
 import stat
 from collections import Counter, deque
 from pathlib import Path
@@ -57,6 +58,7 @@ class KmsgReader:
         self._fd: int | None = None
         self._is_file = False
         self._partial = b""
+        self._poll: select.poll | None = None  # on /dev/kmsg: is a record waiting?
 
     def open(self) -> None:
         try:
@@ -72,6 +74,8 @@ class KmsgReader:
                 os.lseek(fd, 0, os.SEEK_SET if self.history else os.SEEK_END)
             else:
                 os.lseek(fd, 0, os.SEEK_DATA if self.history else os.SEEK_END)
+                self._poll = select.poll()
+                self._poll.register(fd, select.POLLIN)
         except OSError:
             os.close(fd)
             raise
@@ -86,10 +90,16 @@ class KmsgReader:
         """Open on /dev/kmsg (O_NONBLOCK: a read never waits), not on a file of records."""
         return self._fd is not None and not self._is_file
 
+    def nothing_new(self) -> bool:
+        """On /dev/kmsg, no record waits (poll: a read would answer EAGAIN, without raising
+        it); the kernel's devkmsg_poll says POLLIN for a new record, POLLERR|POLLPRI when ours
+        was overwritten. False on a file of records: read it to know."""
+        return self._poll is not None and not self._poll.poll(0)
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
-            self._fd = None
+            self._fd, self._poll = None, None
 
     def read(self, limit: int) -> list[KmsgRecord]:
         """Up to `limit` new records; fewer when the log has no more right now."""
@@ -185,6 +195,12 @@ class KmsgProbe:
         return self._reader.is_device
 
     def collect(self) -> KmsgObs:
+        last = self._last
+        # Read nothing last tick, and nothing waits now: this tick's observation would equal the
+        # last (an OOM summary held for its Killed line is let out by the tick after the one
+        # that read it, so none is held after a tick that read nothing).
+        if last is not None and last.records_read == 0 and self._reader.nothing_new():
+            return last
         prev = self._reader.last_seq
         try:
             self.open()
@@ -202,7 +218,6 @@ class KmsgProbe:
         for rec in records:
             new.extend(self._parser.feed(rec))
         new.extend(self._parser.end_batch())
-        last = self._last
         if (not records and not new and last is not None and last.records_read == 0
                 and last.cursor == prev and last.records_lost == self._reader.lost):
             # Nothing new, as last tick: the same object, equal field for field (prev_cursor
