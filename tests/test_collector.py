@@ -308,3 +308,37 @@ def test_run_inline_hands_back_the_last_report_for_the_same_value():
     assert other is not got and other[1] is not got[1]
     failed = run_inline("x", lambda: 1 / 0, last=got)
     assert failed[0] is None and failed[1].status == ProbeStatus.error
+
+
+def test_a_failed_inline_run_is_not_handed_on_as_unchanged():
+    """A probe that says unchanged() after its last run raised is run again: the collector
+    hands on only an observation it got."""
+
+    class Flaky:
+        name = "kmsg"
+
+        def __init__(self) -> None:
+            self.runs, self.fail = 0, False
+
+        def unchanged(self) -> bool:
+            return True
+
+        def cannot_block(self) -> bool:
+            return True
+
+        def collect(self):
+            self.runs += 1
+            if self.fail:
+                raise RuntimeError("a bug")
+            return ("obs",)
+
+    c = Collector(Target(name="x", pids=(os.getpid(),)), gpu=False)
+    flaky = c.kmsg = Flaky()  # type: ignore[assignment]
+    try:
+        got = [c.tick().probe("kmsg") for _ in range(2)]
+        assert flaky.runs == 1 and got[1] is got[0] and got[0].status == ProbeStatus.ok
+        c._last["kmsg"] = (flaky, None, got[0])  # as after a run that raised
+        flaky.fail = True
+        assert c.tick().probe("kmsg").status == ProbeStatus.error and flaky.runs == 2
+    finally:
+        c.close()

@@ -147,12 +147,15 @@ class Collector:
 
     def _without_worker(self, p: Probe) -> tuple[Any, ProbeReport] | None:
         """A probe's (value, report) got without the lane: the last ones again when the probe
-        says nothing it reads can have changed (gpu without NVML, no retry due), its collect()
+        says nothing it reads can have changed (gpu without NVML and no retry due, kmsg with
+        nothing waiting after a tick that read nothing), its collect()
         run here when it cannot block (kmsg on /dev/kmsg): handing a call to a thread costs
         more than its work (issue 17). None: the probe goes in the batch."""
         last = self._last.get(p.name)
-        if last is not None and last[0] is not p:
-            last = None  # the probe was replaced (a resumed kmsg cursor): nothing of it to reuse
+        if last is not None and (last[0] is not p or last[1] is None):
+            # The probe was replaced (a resumed kmsg cursor), or its last run failed or was late:
+            # no observation of it to hand on.
+            last = None
         unchanged = getattr(p, "unchanged", None)
         if last is not None and unchanged is not None and unchanged():
             return last[1], last[2]

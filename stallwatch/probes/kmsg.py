@@ -194,13 +194,17 @@ class KmsgProbe:
         (a capture) could sit on a filesystem that hangs: a worker then, as every probe."""
         return self._reader.is_device
 
-    def collect(self) -> KmsgObs:
+    def unchanged(self) -> bool:
+        """Read nothing last tick, and nothing waits now: collect() would return its last
+        observation (an OOM summary held for its Killed line is let out by the tick after the
+        one that read it, so none is held after a tick that read nothing). The collector then
+        hands it on without running collect() (issue 17)."""
         last = self._last
-        # Read nothing last tick, and nothing waits now: this tick's observation would equal the
-        # last (an OOM summary held for its Killed line is let out by the tick after the one
-        # that read it, so none is held after a tick that read nothing).
-        if last is not None and last.records_read == 0 and self._reader.nothing_new():
-            return last
+        return last is not None and last.records_read == 0 and self._reader.nothing_new()
+
+    def collect(self) -> KmsgObs:
+        if self.unchanged():
+            return self._last  # type: ignore[return-value]  # (unchanged: not None)
         prev = self._reader.last_seq
         try:
             self.open()
@@ -218,6 +222,7 @@ class KmsgProbe:
         for rec in records:
             new.extend(self._parser.feed(rec))
         new.extend(self._parser.end_batch())
+        last = self._last
         if (not records and not new and last is not None and last.records_read == 0
                 and last.cursor == prev and last.records_lost == self._reader.lost):
             # Nothing new, as last tick: the same object, equal field for field (prev_cursor
