@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, TypeVar, cast
 from collections.abc import Callable, Mapping, Sequence
@@ -50,6 +51,22 @@ T = TypeVar("T")
 # Socket inodes remembered per network namespace as unix or TCP (ProcessesProbe._tcp): past this
 # many the set starts over, so a job that opens and closes sockets all day costs bounded memory.
 _MAX_SOCKETS_REMEMBERED = 4096
+
+
+@dataclass(slots=True)
+class _FdTable:
+    """A process's fd table and cwd as read on a tick when every thread's schedstat was read
+    before them (the tree walk's batch), reused while none of its threads runs: see
+    ProcessesProbe._fd_table."""
+
+    fds: dict[int, str] | None  # None: unreadable (such a table is not kept)
+    count: int  # fds listed: /proc/PID/fd's st_size is the same while none opens or closes
+    cwd: str | None
+    denied: frozenset[str]  # signals those reads were refused, reported again with them
+    # what _files made of them: the fdinfo readings it used, and its result
+    infos: tuple[object, ...] = ()
+    files: tuple[OpenFileObs, ...] = ()
+    truncated: bool = False
 
 
 class TargetSpec(Protocol):
@@ -172,6 +189,8 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         self._kept = ProcFiles(roots, None if self._paths.is_procfs() else 0,
                                keep=2 * STAT_EVERY_TICKS)
         self._cmdlines: dict[tuple[int, int, str], tuple[str, ...]] = {}
+        self._tables: dict[tuple[int, int], _FdTable] = {}  # (pid, start) -> see _fd_table
+        self._fd_counts_ok: bool | None = None
         self._ranks: dict[tuple[int, int], torchrun.RankInfo | None] = {}
         self._exits: list[_Exit] = []
         self._noted: dict[tuple[int, int | None], int] = {}
@@ -357,8 +376,9 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         try:
             if tids is None:
                 tids, listed = self._list_tids(st), True
-            fds = self._fds(pid, tick)
             rows = tick.rows.get(pid)
+            table = self._fd_table(st, rows, limit, tick)
+            fds = table.fds
             if rows is not None:  # the tree walk read every thread's schedstat: in a batch
                 threads = self._thread_rows(pid, rows[:limit] if len(rows) > limit else rows,
                                             fds, tick)
@@ -384,7 +404,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         status = tick.leader_status.get(pid) or self._kept_parsed(
             f"{d}/status", procfs.parse_status, "status", tick.denied)
         io = self._kept_parsed(f"{d}/io", procfs.parse_io, "io", tick.denied)
-        cwd = self._link(f"{d}/cwd", "cwd", tick)
+        cwd = table.cwd
 
         ctx_v = ctx_n = 0
         d_max, ran = 0.0, None  # the longest in D; the most recent run (last_ran_age_s)
@@ -410,7 +430,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             # The kernel shows exit_code only to those who may ptrace the task, else 0; a
             # readable io file is that same permission, so 0 here is a real exit status.
             exit_code = procfs.decode_wait_status(st.exit_code)
-        files, truncated, sockets = self._files(pid, fds, tick)
+        files, truncated, sockets = self._files(pid, fds, tick, table)
         return built(ProcessObs, dict(
             pid=pid, ppid=st.ppid, pgid=st.pgid, sid=st.sid, role=role,
             uid=status.uid if status else None,
@@ -447,7 +467,65 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             tick.denied.add(signal)
             return None
 
-    def _fds(self, pid: int, tick: _Tick) -> dict[int, str] | None:
+    def _fd_table(self, st: procfs.Stat, rows: list[_ThreadMemo] | None, limit: int,
+                  tick: _Tick) -> _FdTable:
+        """The process's fd table and cwd: read afresh, or last tick's when none of its threads
+        ran since they were read.
+
+        Only a task sharing the table can open, close or dup an fd in it, and to do so it
+        must run: for the process's own threads (io_uring's workers among them), their
+        schedstat moves. So when the tree walk read every thread's schedstat this tick
+        (`rows`) and none moved since the read that preceded the table's, the table is the
+        same: no listing, no readlink of each fd, no cwd readlink. Read afresh otherwise, and
+        in any case one tick in STAT_EVERY_TICKS (in turn, by pid), which bounds what no thread
+        of it does: a file renamed by another process (a readlink shows the new path), a
+        process sharing the table without being a thread (clone CLONE_FILES); the count of
+        open fds (/proc/PID/fd's size, Linux >= 6.2), checked every tick, shows at once what
+        such a sharer opens or closes (one stat, on a quiet tick only). A table read without `rows` (the first look, a thread
+        list that changed) is not kept: its threads' schedstat was read after it."""
+        pid, key = st.pid, (st.pid, st.start_ticks)
+        fd_dir = self._paths.pid(pid, "fd")
+        table = self._tables.get(key)
+        if table is not None and rows is not None and len(rows) <= limit \
+                and (pid + tick.number) % STAT_EVERY_TICKS:
+            for m in rows:  # before _thread_rows, which moves a thread that ran to this reading
+                if m.sched_raw is None or m.sched_now != m.sched_raw:
+                    break
+            else:
+                try:
+                    if not self._fd_counts() or os.stat(fd_dir).st_size == table.count:
+                        tick.denied.update(table.denied)
+                        return table
+                except OSError:
+                    pass  # gone, or hidden: read below, which says which
+        denied: set[str] = set()
+        fds = self._fds(pid, denied)
+        cwd = None
+        try:
+            cwd = self.roots.readlink(f"{self._pd(pid)}/cwd")
+        except Absent:
+            pass
+        except Denied:
+            denied.add("cwd")
+        tick.denied |= denied
+        table = _FdTable(fds, len(fds) if fds is not None else 0, cwd, frozenset(denied))
+        if fds is not None and rows is not None:
+            self._tables[key] = table
+        else:
+            self._tables.pop(key, None)
+        return table
+
+    def _fd_counts(self) -> bool:
+        """Whether this procfs gives a process's count of open fds as its fd directory's size
+        (Linux >= 6.2); read on our own, which always has some open."""
+        if self._fd_counts_ok is None:
+            try:
+                self._fd_counts_ok = os.stat(self._paths.pid(os.getpid(), "fd")).st_size > 0
+            except OSError:
+                self._fd_counts_ok = False
+        return self._fd_counts_ok
+
+    def _fds(self, pid: int, denied: set[str]) -> dict[int, str] | None:
         """fd -> readlink target, for at most max_fds_scanned fds; None when unreadable."""
         fd_dir = self._paths.pid(pid, "fd")
         links = {}
@@ -463,11 +541,17 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         except Denied:
             # Listing can be allowed while every readlink is refused: report no table at all
             # rather than an empty one that reads as "no open files".
-            tick.denied.add("fd")
+            denied.add("fd")
             return None
         return links
 
-    def _files(self, pid: int, fds: dict[int, str] | None, tick: _Tick):
+    def _files(self, pid: int, fds: dict[int, str] | None, tick: _Tick,
+               table: _FdTable | None = None):
+        """Open files (regular files first, with their fdinfo's position and mode) and TCP
+        sockets. The fdinfo of each regular file is read every tick, even for an unchanged
+        table: a file description shared with another process (a log inherited across fork)
+        moves when that one writes. When they read as last tick (the same parse, by identity:
+        _kept_parsed) and the table is last tick's, last tick's files are reused."""
         if not fds:
             return (), False, ()
         inodes = procfs.socket_inodes(fds)
@@ -476,19 +560,28 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         # Regular files first: a checkpoint being written matters more than the 40 fds every
         # CUDA process holds on /dev/nvidia*, and the cap must not push it out.
         others.sort(key=lambda fp: (not fp[1].startswith("/") or fp[1].startswith("/dev/"), fp[0]))
+        shown = others[:self.max_open_files]
+        infos = tuple(
+            self._kept_parsed(self._paths.pid(pid, f"fdinfo/{fd}"), procfs.parse_fdinfo,
+                              "fdinfo", tick.denied)
+            # kept, like status and io, and released with them when the process leaves
+            if path.startswith("/") and not path.startswith("/dev/") else None
+            for fd, path in shown)
+        if table is not None and table.files and len(infos) == len(table.infos) and all(
+                a is b for a, b in zip(infos, table.infos)):
+            return table.files, table.truncated, sockets
         files = []
-        for fd, path in others[:self.max_open_files]:
+        for (fd, path), info in zip(shown, infos):
             write = pos = None
-            if path.startswith("/") and not path.startswith("/dev/"):
-                # kept, like status and io, and released with them when the process leaves
-                info = self._kept_parsed(self._paths.pid(pid, f"fdinfo/{fd}"),
-                                      procfs.parse_fdinfo, "fdinfo", tick.denied)
-                if info is not None:
-                    pos, flags = info
-                    write = procfs.opened_for_write(flags) if flags is not None else None
+            if info is not None:
+                pos, flags = cast(tuple[int | None, int | None], info)
+                write = procfs.opened_for_write(flags) if flags is not None else None
             files.append(built(OpenFileObs, {"fd": fd, "path": path, "write": write,
                                              "pos_bytes": pos}))
-        return tuple(files), len(others) > self.max_open_files, sockets
+        out, truncated = tuple(files), len(others) > self.max_open_files
+        if table is not None:
+            table.infos, table.files, table.truncated = infos, out, truncated
+        return out, truncated, sockets
 
     def _tcp(self, pid: int, inodes: dict[int, int], tick: _Tick) -> tuple[SocketObs, ...]:
         # Socket tables belong to a network namespace: read the target's own view, once per
@@ -588,6 +681,8 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         self._tid_lists = {k: v for k, v in self._tid_lists.items() if k in live}
         self._rows = {k: v for k, v in self._rows.items() if k in live}
         self._cmdlines = {k: v for k, v in self._cmdlines.items() if (k[0], k[1]) in live}
+        if self._tables.keys() - live:
+            self._tables = {k: v for k, v in self._tables.items() if k in live}
         self._ranks = {k: v for k, v in self._ranks.items() if k in live}
         with self._lock:
             watched = {pid for pid, _ in self._members}

@@ -1,0 +1,114 @@
+"""A process's fd table and cwd are read again only when one of its threads ran (issue 17),
+and a new, closed or replaced fd is still seen on the very next collect; a rename by another
+process within STAT_EVERY_TICKS collects. A real process with idle threads, driven through
+its stdin."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import ClassVar
+
+from rigs import spawned, task_state, wait_until
+
+from stallwatch.kernel.roots import Roots
+from stallwatch.probes.processes import ProcessesProbe, ProcessObs
+from stallwatch.probes.processes_threads import STAT_EVERY_TICKS
+from stallwatch.probes.targets import Target
+
+# Idle threads, and a main thread that does what its stdin says, then answers on stdout.
+JOB = r"""
+import os, sys, threading
+for _ in range(4):
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+print("ready", flush=True)
+for line in sys.stdin:
+    cmd, *args = line.split()
+    if cmd == "open":
+        print(os.open(args[0], os.O_WRONLY | os.O_CREAT), flush=True)
+    elif cmd == "dup2":
+        fd = os.open(args[0], os.O_WRONLY | os.O_CREAT)
+        os.dup2(fd, int(args[1]))
+        os.close(fd)
+        print("ok", flush=True)
+    elif cmd == "close":
+        os.close(int(args[0]))
+        print("ok", flush=True)
+"""
+
+
+class ListingRoots(Roots):
+    """Roots that counts the listings of a process's fd directory."""
+
+    listings: ClassVar[list[str]] = []
+
+    def listdir(self, path):
+        if str(path).endswith("/fd"):
+            ListingRoots.listings.append(str(path))
+        return super().listdir(path)
+
+
+def ask(proc, line: str) -> str:
+    proc.stdin.write(f"{line}\n".encode())
+    proc.stdin.flush()
+    answer = proc.stdout.readline().decode().strip()
+    wait_until(lambda: task_state(proc.pid) == "S", what="the job to block in read again")
+    return answer
+
+
+def idle_job():
+    return spawned([sys.executable, "-c", JOB], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+
+def files_of(probe: ProcessesProbe, pid: int) -> ProcessObs:
+    (p,) = [p for p in probe.collect().processes if p.pid == pid]
+    return p
+
+
+def test_an_idle_process_fd_table_is_not_listed_again_and_changes_are_seen_next_collect(tmp_path):
+    with idle_job() as proc:
+        assert proc.stdout.readline() == b"ready\n"
+        wait_until(lambda: all(task_state(proc.pid, int(t)) == "S"
+                               for t in os.listdir(f"/proc/{proc.pid}/task")),
+                   what="every thread to sleep")
+        probe = ProcessesProbe(Target(pids=(proc.pid,)), roots=ListingRoots())
+        first = files_of(probe, proc.pid)
+        files_of(probe, proc.pid)  # the walk's first batch: the table kept from here
+        ListingRoots.listings.clear()
+        quiet = [files_of(probe, proc.pid) for _ in range(4)]
+        # at most one of four is its turn to be read anyway (one tick in STAT_EVERY_TICKS)
+        assert len(ListingRoots.listings) <= 1, ListingRoots.listings
+        assert all(q.num_fds == first.num_fds and q.cwd == first.cwd for q in quiet)
+        assert [f.path for f in quiet[-1].open_files] == [f.path for f in first.open_files]
+
+        fd = int(ask(proc, f"open {tmp_path / 'a.bin'}"))
+        got = files_of(probe, proc.pid)
+        assert (fd, str(tmp_path / "a.bin"), True) in {(f.fd, f.path, f.write) for f in got.open_files}
+        assert got.num_fds == first.num_fds + 1
+
+        assert ask(proc, f"dup2 {tmp_path / 'b.bin'} {fd}") == "ok"  # same count, another file
+        got = files_of(probe, proc.pid)
+        assert {f.path for f in got.open_files if f.fd == fd} == {str(tmp_path / "b.bin")}
+
+        assert ask(proc, f"close {fd}") == "ok"
+        got = files_of(probe, proc.pid)
+        assert fd not in {f.fd for f in got.open_files} and got.num_fds == first.num_fds
+
+
+def test_a_file_renamed_by_another_process_is_seen_within_the_tables_turn(tmp_path):
+    """No thread of the job runs when another process renames its open file: its table is
+    read again one tick in STAT_EVERY_TICKS, which bounds how long the old name is shown."""
+    with idle_job() as proc:
+        assert proc.stdout.readline() == b"ready\n"
+        fd = int(ask(proc, f"open {tmp_path / 'old.bin'}"))
+        probe = ProcessesProbe(Target(pids=(proc.pid,)))
+        for _ in range(2):
+            files_of(probe, proc.pid)
+        os.rename(tmp_path / "old.bin", tmp_path / "new.bin")
+        paths = []
+        for _ in range(STAT_EVERY_TICKS):
+            got = files_of(probe, proc.pid)
+            paths.append({f.path for f in got.open_files if f.fd == fd})
+        assert {str(tmp_path / "new.bin")} in paths, paths
+        assert paths[-1] == {str(tmp_path / "new.bin")}  # and from then on
