@@ -39,10 +39,10 @@ _SHM_LIST_LIMIT = 100_000  # a runaway leak must not turn one listing into a mem
 # timestamp tick would leave the mtime where it was.
 SHM_RELIST_S = 30.0
 # ... but not more often than this while it keeps changing: a busy node's /dev/shm (torch,
-# NCCL, semaphores) changes every second, and listing its hundreds of entries is ~0.7 ms of CPU
+# NCCL, semaphores) changes every second, and listing its hundreds of entries is 0.7-2.5 ms of CPU
 # here (issue 17). The counts only explain shm_filling, whose condition is statvfs's used %,
 # read every tick; they may be this old.
-SHM_MIN_RELIST_S = 5.0
+SHM_MIN_RELIST_S = 10.0
 SHM_RACY_NS = 1_000_000_000
 DEVICE_TTL_S = 60.0  # a mount's block device (loop backing file, dm name, slaves) is re-read this often
 # A path's realpath is reused while statvfs of the path names the same filesystem (f_fsid), for
