@@ -7,18 +7,22 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
 from stallwatch.clock import FakeClock
 from stallwatch.probes import outputs as outputs_mod
 
 
+@pytest.mark.parametrize("few_open", [0, 8])  # fresh ones found walking _hot, or looked up
 def test_hot_files_go_slow_then_cold_and_a_stale_one_is_still_seen_growing(
-        tmp_path: Path, monkeypatch) -> None:
+        tmp_path: Path, monkeypatch, few_open: int) -> None:
     out = tmp_path / "out"
     out.mkdir()
     clock = FakeClock(monotonic=1000.0, wall=time.time())
     # No inotify: what changes is seen through the hot re-stats alone (no reconcile runs).
     probe = outputs_mod.OutputsProbe(out, clock=clock, use_inotify=False, reconcile_every_s=1e9,
                                      poll_every_s=1e9, hot_window_s=30.0)
+    probe.FEW_OPEN = few_open
     stats: list[str] = []
     real = outputs_mod.os.lstat
     monkeypatch.setattr(outputs_mod.os, "lstat",
@@ -139,5 +143,25 @@ def test_a_closed_file_is_left_alone_until_opened_again(tmp_path: Path, monkeypa
             clock.advance(1.0)
             o = probe.collect()
             assert o.total_bytes == 0 and stats.count("a.bin") == 1, (o.total_bytes, stats)
+    finally:
+        probe.close()
+
+
+def test_the_unvalidated_observation_equals_its_validation(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    clock = FakeClock(monotonic=1000, wall=time.time())  # ints: the fields are floats still
+    probe = outputs_mod.OutputsProbe(out, clock=clock)
+    try:
+        probe.collect()
+        for i in range(3):
+            (out / "sub" / f"{i}.pt").write_bytes(b"x" * i)
+        clock.advance(1)
+        o = probe.collect()
+        assert o.recent and o.newest is not None and o.last_change_age_s is not None
+        v = outputs_mod.OutputsObs.model_validate(o.model_dump())
+        assert o == v and o.model_dump_json() == v.model_dump_json() and repr(o) == repr(v)
+        gone = outputs_mod.OutputsProbe(tmp_path / "nope", clock=clock).collect()
+        assert gone == outputs_mod.OutputsObs.model_validate(gone.model_dump())
     finally:
         probe.close()

@@ -20,6 +20,7 @@ from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.model import Frozen
 from stallwatch.probes.base import ProbeStatus
 from stallwatch.probes.logfollow import FollowResult, LogFollower
+from stallwatch.probes.processes_obs import built
 from stallwatch.probes.torchrun import RootCause, RootCauseTracker
 from stallwatch.probes.text.progress import (
     ProgressEvent, ProgressParser, Traceback, TracebackTracker, fatal_kind, parse_tqdm,
@@ -175,6 +176,8 @@ class LogProbe:
         self._side: dict[str | None, float | int] = {}
         self._side_moved = False  # another bar of the log moved: a change, though the sum did not
         self._cadence_key: tuple[object, ...] | None = None
+        self._tail_out: tuple[str, ...] = ()
+        self._fatal_out: tuple[FatalLine, ...] = ()
         self._cadence_obs: Cadence | None = None
 
     def new_run(self) -> None:
@@ -512,8 +515,18 @@ class LogProbe:
                 tail[-1] = p
             else:
                 tail = (tail + [p])[-self._tail_lines :]
+        # Last tick's tuples handed on while they say the same: a reader may memo on identity.
+        tail_t = tuple(tail)
+        if tail_t == self._tail_out:
+            tail_t = self._tail_out
+        fatal_t = tuple(self._fatal)
+        if fatal_t == self._fatal_out:
+            fatal_t = self._fatal_out
+        self._tail_out, self._fatal_out = tail_t, fatal_t
         ok = r.status is ProbeStatus.ok
-        return LogObs(
+        # Unvalidated (processes_obs.built): our own typed values, every tick; float(): a test's
+        # clock may count in ints. tests/test_log_redraws.py holds it to its validation.
+        return built(LogObs, dict(
             path=f.path, status=r.status, error=r.error,
             size_bytes=r.size if ok else None, mtime_epoch_s=r.mtime_s if ok else None,
             inode=r.ident[1] if ok and r.ident else None, device=r.ident[0] if ok and r.ident else None,
@@ -521,16 +534,16 @@ class LogProbe:
             skipped_backlog_bytes=f.skipped_backlog_bytes,
             read_bytes=r.read_bytes, read_bytes_total=f.bytes_read_total, lines_total=f.lines_total,
             rotations=f.rotations, truncations=f.truncations, overlong_lines=f.overlong_lines,
-            last_growth_age_s=None if self._last_growth is None else max(0.0, now - self._last_growth),
+            last_growth_age_s=None if self._last_growth is None else float(max(0.0, now - self._last_growth)),
             progress=last, progress_events=self._events, progress_changes=self._changes,
-            idle_s=None if self._last_change is None else max(0.0, now - self._last_change),
+            idle_s=None if self._last_change is None else float(max(0.0, now - self._last_change)),
             idle_source=self._idle_source, cadence_s=cadence, rate_per_s=rate,
             tqdm_rate_per_s=last.rate_per_s if last else None,
             history_rate_per_s=self._history_rate, history_span_s=self._history_span,
             history_lines=self._history_lines, history_style=self._history_style,
-            eta_s=eta, tail=tuple(tail),
-            traceback=self._tb.current, tracebacks_seen=self._tb.seen, fatal=tuple(self._fatal),
+            eta_s=eta, tail=tail_t,
+            traceback=self._tb.current, tracebacks_seen=self._tb.seen, fatal=fatal_t,
             bars=self._bars.observe(now) if self._bars.active else None,
             root_cause=self._root.current,
-        )
+        ))
 

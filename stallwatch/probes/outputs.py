@@ -47,6 +47,7 @@ from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.model import Frozen
 from stallwatch.probes.base import ProbeStatus
 from stallwatch.probes.inotify import InotifyWatch
+from stallwatch.probes.processes_obs import built
 from stallwatch.kernel.proc import self_mountinfo
 from stallwatch.kernel.roots import DEFAULT_ROOTS, Roots
 
@@ -165,6 +166,7 @@ class OutputsProbe:
     missing, replaced or unreadable directory. Call `close()` to stop the inotify thread."""
 
     name = "outputs"
+    FEW_OPEN = 8  # hot files not known closed, up to which _restat_hot looks them up directly
 
     def __init__(
         self, path: str | os.PathLike[str], clock: Clock = SYSTEM_CLOCK, reconcile_every_s: float = 30.0,
@@ -485,11 +487,19 @@ class OutputsProbe:
             checked.pop(rel, None)
             closed.pop(rel, None)
         due: dict[str, None] = {}
-        for rel in reversed(hot):  # the fresh ones: changed within HOT_FRESH_S
-            if now - hot[rel] >= HOT_FRESH_S:
-                break
-            if rel not in closed:
-                due[rel] = None
+        if len(checked) <= self.FEW_OPEN:
+            # Nearly every hot file closed (a job that closes what it writes): the few others
+            # are looked up, not found by walking past the ~50 fresh closed ones. Newest first,
+            # as below.
+            fresh = [r for r in checked if now - hot[r] < HOT_FRESH_S]
+            fresh.sort(key=hot.__getitem__, reverse=True)
+            due = dict.fromkeys(fresh)
+        else:
+            for rel in reversed(hot):  # the fresh ones: changed within HOT_FRESH_S
+                if now - hot[rel] >= HOT_FRESH_S:
+                    break
+                if rel not in closed:
+                    due[rel] = None
         for rel, t in checked.items():  # the slow ones: not looked at for HOT_SLOW_EVERY_S
             if now - t < HOT_SLOW_EVERY_S:
                 break
@@ -668,7 +678,9 @@ class OutputsProbe:
         if info is None:
             return None
         mtime = info[1] / 1e9
-        return OutputFile(path=rel, size_bytes=info[0], mtime_epoch_s=mtime, age_s=max(0.0, wall - mtime))
+        # unvalidated (processes_obs.built): our own typed values, ~17 records a tick
+        return built(OutputFile, {"path": rel, "size_bytes": info[0], "mtime_epoch_s": mtime,
+                                  "age_s": max(0.0, wall - mtime)})
 
     def _obs(self, now: float, status: ProbeStatus, error: str | None) -> OutputsObs:
         if self._newest_stale:
@@ -676,15 +688,16 @@ class OutputsProbe:
         wall = self.clock.time()
         newest = self._file(self._newest[1], wall) if self._newest else None
         recent = tuple(f for f in (self._file(r, wall) for r in self._recent) if f is not None)
-        return OutputsObs(
+        # Unvalidated, as _file; float(): a test's clock may count in ints.
+        return built(OutputsObs, dict(
             path=self.root, status=status, error=error,
             watch_mode="inotify" if self._watching() else "polling", fs_type=self._fs_type,
             watch_error=self._watch_error, file_count=self._count, dir_count=max(0, len(self._dirs) - 1),
             total_bytes=self._bytes, newest=newest,
-            last_change_age_s=None if self._last_change is None else max(0.0, now - self._last_change),
+            last_change_age_s=None if self._last_change is None else float(max(0.0, now - self._last_change)),
             recent=recent, hot_files=len(self._hot), events_seen=self._events_seen,
             overflows=self._overflows, reconciliations=self._reconciles,
             reconcile_changes=self._reconcile_changes, last_reconcile_duration_s=self._reconcile_dur,
-            last_reconcile_age_s=None if self._last_reconcile is None else now - self._last_reconcile,
+            last_reconcile_age_s=None if self._last_reconcile is None else float(now - self._last_reconcile),
             unreadable_dirs=self._unreadable,
-        )
+        ))
