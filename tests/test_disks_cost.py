@@ -102,17 +102,33 @@ def test_shm_count_follows_no_link_and_no_forged_name(tmp_path: Path) -> None:
         _count_shm(str(tmp_path / "via"))  # the directory itself is not reached through a link
 
 
-def test_changing_shm_is_listed_again_at_most_every_min_relist(tmp_path: Path, monkeypatch) -> None:
+def test_shm_is_listed_again_only_as_often_as_its_counts_can_matter(tmp_path: Path, monkeypatch) -> None:
+    """Changed: listed again after SHM_MIN_RELIST_S when it is SHM_CLOSE_PCT used, else after
+    SHM_RELIST_S; holding SGLang segments: after SHM_MIN_RELIST_S, full or not."""
     shm = tmp_path / "shm"
     shm.mkdir()
     listed: list[str] = []
     real = disks_mod._count_shm
     monkeypatch.setattr(disks_mod, "_count_shm", lambda p: listed.append(p) or real(p))
     monkeypatch.setattr(disks_mod, "SHM_MIN_RELIST_S", 3600.0)
+    monkeypatch.setattr(disks_mod, "SHM_CLOSE_PCT", 0.0)  # "close to full": any use
     probe = DisksProbe([], clock=FakeClock(), dev_shm=str(shm))
-    assert probe.collect().paths[0].shm_segments == 0
-    (shm / "sgl_shm_1").write_bytes(b"")
-    assert probe.collect().paths[0].shm_segments == 0 and len(listed) == 1  # too soon
+
+    def segments() -> tuple[int | None, int | None]:
+        (u,) = probe.collect().paths
+        return u.shm_segments, u.sgl_shm_segments
+
+    assert segments() == (0, 0)
+    (shm / "other").write_bytes(b"")
+    assert segments() == (0, 0) and len(listed) == 1  # too soon
     monkeypatch.setattr(disks_mod, "SHM_MIN_RELIST_S", 0.0)
-    (shm / "sgl_shm_2").write_bytes(b"")
-    assert probe.collect().paths[0].sgl_shm_segments == 2 and len(listed) == 2
+    assert segments() == (1, 0) and len(listed) == 2  # changed, and close to full
+    monkeypatch.setattr(disks_mod, "SHM_CLOSE_PCT", 100.1)  # never close to full
+    (shm / "sgl_shm_1").write_bytes(b"")
+    assert segments() == (1, 0) and len(listed) == 2  # changed, far from full: SHM_RELIST_S
+    monkeypatch.setattr(disks_mod, "SHM_RELIST_S", 0.0)
+    assert segments() == (2, 1) and len(listed) == 3
+    monkeypatch.setattr(disks_mod, "SHM_RELIST_S", 3600.0)
+    (shm / "sgl_shm_1").write_bytes(b"x" * 7)  # a segment grows: the directory does not change
+    (u,) = probe.collect().paths
+    assert (u.sgl_shm_segments, u.sgl_shm_bytes) == (1, 7) and len(listed) == 4

@@ -32,17 +32,19 @@ from stallwatch.kernel.roots import DEFAULT_ROOTS, Absent, Denied, Roots
 M = TypeVar("M", bound=Frozen)
 SHM_PREFIXES = ("sgl_shm",)  # SGLang's leaked sgl_shm_mm_* segments filled /dev/shm (#40723)
 _SHM_LIST_LIMIT = 100_000  # a runaway leak must not turn one listing into a memory problem
-# /dev/shm is listed again only when its mtime moved (an entry created, removed or renamed), or
-# it holds SGLang segments (their sizes change without touching the directory), or this long
-# passed (issue 17: the listing was most of the disks probe's filesystem work). A listing taken
-# within SHM_RACY_NS of the directory's mtime is not trusted: a later change in the same
-# timestamp tick would leave the mtime where it was.
-SHM_RELIST_S = 30.0
-# ... but not more often than this while it keeps changing: a busy node's /dev/shm (torch,
-# NCCL, semaphores) changes every second, and listing its hundreds of entries is 0.7-2.5 ms of CPU
-# here (issue 17). The counts only explain shm_filling, whose condition is statvfs's used %,
-# read every tick; they may be this old.
+# Listing /dev/shm was most of the disks probe's CPU (issue 17): a busy node's (torch, NCCL,
+# leaked semaphores) changes every second, and a listing of this host's 650 entries costs 0.7-6
+# ms of CPU. Its counts only explain shm_filling, whose condition is statvfs's used % (read every
+# tick), so they are listed again:
+# - at most every SHM_MIN_RELIST_S, when it holds SGLang segments (their sizes change without
+#   touching the directory), or when it is SHM_CLOSE_PCT used and its mtime moved (an entry
+#   created, removed or renamed);
+# - otherwise every SHM_RELIST_S, changed or not.
+# A listing taken within SHM_RACY_NS of the directory's mtime is not trusted: a later change in
+# the same timestamp tick would leave the mtime where it was.
 SHM_MIN_RELIST_S = 10.0
+SHM_RELIST_S = 30.0
+SHM_CLOSE_PCT = 50.0
 SHM_RACY_NS = 1_000_000_000
 DEVICE_TTL_S = 60.0  # a mount's block device (loop backing file, dm name, slaves) is re-read this often
 # A path's realpath is reused while statvfs of the path names the same filesystem (f_fsid), for
@@ -382,7 +384,7 @@ class DisksProbe:
             except FileNotFoundError:
                 st = None  # gone: the walk below finds its nearest parent
             if st is not None and getattr(st, "f_fsid", None) == hit[1]:
-                shm = self._shm_counts(hit[0]) if is_shm else None
+                shm = self._shm_counts(hit[0], st) if is_shm else None
                 return _FsFacts(resolved=hit[0], exists=True, st=st, shm=shm)
             self._resolved.pop(path, None)
         resolved = os.path.realpath(path)
@@ -400,7 +402,7 @@ class DisksProbe:
                 if parent == probe_at:
                     raise
                 probe_at = parent
-        shm = self._shm_counts(resolved) if is_shm and exists else None
+        shm = self._shm_counts(resolved, st) if is_shm and exists else None
         fsid = getattr(st, "f_fsid", None)
         if exists and fsid:  # 0 or None: a filesystem (or a fake) that names none
             if len(self._resolved) > 256:  # paths come from the job's open files: bounded
@@ -408,15 +410,23 @@ class DisksProbe:
             self._resolved[path] = (resolved, fsid, self.clock.monotonic())
         return _FsFacts(resolved=probe_at if not exists else resolved, exists=exists, st=st, shm=shm)
 
-    def _shm_counts(self, path: str) -> tuple[int, int, int]:
-        """_count_shm, or its last answer while nothing in the directory can have changed. Only
-        the /dev/shm worker thread calls it (one worker per path)."""
-        st = os.stat(path)
-        ident, now_ns = (st.st_dev, st.st_ino, st.st_mtime_ns), time.time_ns()
-        seen = self._shm_seen
-        if seen is not None and (now_ns - seen[1] < SHM_MIN_RELIST_S * 1e9 or (
-                seen[0] == ident and seen[2][1] == 0 and now_ns - seen[1] < SHM_RELIST_S * 1e9)):
-            return seen[2]
+    def _shm_counts(self, path: str, fs: os.statvfs_result) -> tuple[int, int, int]:
+        """_count_shm, or its last answer (SHM_MIN_RELIST_S above). One call at a time: the
+        /dev/shm path's (in place on tmpfs, else its worker's)."""
+        now_ns, seen = time.time_ns(), self._shm_seen
+        st = None
+        if seen is not None:
+            age_ns = now_ns - seen[1]
+            if age_ns < SHM_MIN_RELIST_S * 1e9:
+                return seen[2]
+            st = os.stat(path)
+            used_blocks = fs.f_blocks - fs.f_bfree
+            close = used_blocks > 0 and used_blocks >= SHM_CLOSE_PCT / 100 * (used_blocks + fs.f_bavail)
+            changed = seen[0] != (st.st_dev, st.st_ino, st.st_mtime_ns)
+            if age_ns < SHM_RELIST_S * 1e9 and not seen[2][1] and not (close and changed):
+                return seen[2]
+        st = st or os.stat(path)
+        ident = (st.st_dev, st.st_ino, st.st_mtime_ns)
         counts = _count_shm(path)
         trusted = now_ns - st.st_mtime_ns >= SHM_RACY_NS
         self._shm_seen = (ident if trusted else None, now_ns, counts)
