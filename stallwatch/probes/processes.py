@@ -191,6 +191,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         self._cmdlines: dict[tuple[int, int, str], tuple[str, ...]] = {}
         self._tables: dict[tuple[int, int], _FdTable] = {}  # (pid, start) -> see _fd_table
         self._fd_counts_ok: bool | None = None
+        self._live_before: set[tuple[int, int]] = set()  # identities at the last _forget
         self._ranks: dict[tuple[int, int], torchrun.RankInfo | None] = {}
         self._exits: list[_Exit] = []
         self._noted: dict[tuple[int, int | None], int] = {}
@@ -448,7 +449,10 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             blkio_delay_s=(None if st.blkio_delay_ticks is None
                            else st.blkio_delay_ticks / self._tck),
             rss_bytes=status.rss_bytes if status else None, num_threads=st.num_threads,
-            io=built(IoObs, {f: getattr(io, f) for f in IoObs.model_fields}) if io else None,
+            io=built(IoObs, {"rchar": io.rchar, "wchar": io.wchar, "syscr": io.syscr,
+                             "syscw": io.syscw, "read_bytes": io.read_bytes,
+                             "write_bytes": io.write_bytes,
+                             "cancelled_write_bytes": io.cancelled_write_bytes}) if io else None,
             io_unchanged_for_s=io_unchanged,
             num_fds=None if fds is None else len(fds),
             open_files=files, open_files_truncated=truncated, tcp=sockets, exit_code=exit_code,
@@ -660,7 +664,8 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         """Drop memory of tasks that are gone, so a long run does not grow without bound."""
         live = {(p, s.start_ticks) for p, s in stats.items()}
         # Explicit pids keep their identity after death: that is how a reuse is recognised.
-        self._job = {p: s for p, s in self._job.items() if p in self._explicit or (p, s) in live}
+        if any(p not in self._explicit and (p, s) not in live for p, s in self._job.items()):
+            self._job = {p: s for p, s in self._job.items() if p in self._explicit or (p, s) in live}
         # Rebuilt only when some are stale: on a wide idle job nothing ends, and rebuilding
         # three dicts of a thousand entries a tick was a tenth of the probe's cost.
         # (Nothing is stamped twice in a tick: the counts equal the sizes only when all are.)
@@ -678,12 +683,16 @@ class ProcessesProbe(TreeWalk, ThreadReader):
                     self._forget_memo(m)
             self._memos = memos
             self._rows = {}  # some held a memo just forgotten: rebuilt from those left
-        self._tid_lists = {k: v for k, v in self._tid_lists.items() if k in live}
-        self._rows = {k: v for k, v in self._rows.items() if k in live}
-        self._cmdlines = {k: v for k, v in self._cmdlines.items() if (k[0], k[1]) in live}
-        if self._tables.keys() - live:
+        # What is kept by identity goes stale only when an identity leaves: every entry made
+        # this tick is for one in `live`, so while it is last tick's set there is nothing to drop.
+        if live != self._live_before:
+            self._live_before = live
+            self._tid_lists = {k: v for k, v in self._tid_lists.items() if k in live}
+            self._rows = {k: v for k, v in self._rows.items() if k in live}
+            self._cmdlines = {k: v for k, v in self._cmdlines.items() if (k[0], k[1]) in live}
             self._tables = {k: v for k, v in self._tables.items() if k in live}
-        self._ranks = {k: v for k, v in self._ranks.items() if k in live}
-        with self._lock:
-            watched = {pid for pid, _ in self._members}
-            self._noted = {k: v for k, v in self._noted.items() if k[0] in watched}
+            self._ranks = {k: v for k, v in self._ranks.items() if k in live}
+        if self._noted:
+            with self._lock:
+                watched = {pid for pid, _ in self._members}
+                self._noted = {k: v for k, v in self._noted.items() if k[0] in watched}

@@ -12,6 +12,7 @@ from stallwatch.probes.runqueue import RunQueueObs
 Role = Literal["target", "descendant"]
 M = TypeVar("M", bound=Frozen)
 _new, _set = object.__new__, object.__setattr__
+_FIELDS: dict[type, tuple[str, ...]] = {}  # a model's field names, in their declared order
 
 
 def built(cls: type[M], values: dict[str, Any], fields_set: set[str] | None = None) -> M:
@@ -21,7 +22,10 @@ def built(cls: type[M], values: dict[str, Any], fields_set: set[str] | None = No
     checks a real collect's against validation); fields_set defaults to all of them, and then
     they are put in the declared order."""
     if fields_set is None:  # in the declared order, as validation leaves them (dumps, repr)
-        values = {name: values[name] for name in cls.model_fields}
+        names = _FIELDS.get(cls)
+        if names is None:  # model_fields is a descriptor that builds a dict: once per class
+            names = _FIELDS[cls] = tuple(cls.model_fields)
+        values = {name: values[name] for name in names}
     new = _new(cls)
     _set(new, "__dict__", values)
     _set(new, "__pydantic_fields_set__", set(values) if fields_set is None else fields_set)
