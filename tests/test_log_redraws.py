@@ -7,6 +7,7 @@ and requires the same LogObs after every tick: whatever the fast path skips must
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -118,3 +119,41 @@ def test_tqdm_done_agrees_with_parse_tqdm() -> None:
             assert ev is not None and (got[0], got[1], got[2]) == (ev.done, ev.total, bool(ev.postfix))
     assert tqdm_done(bar(7)) == (7, 1000, True)
     assert tqdm_done("1234it [00:05, 246.80it/s]") is None  # no total: left to the full parse
+
+
+def test_a_steady_poll_reads_the_new_bytes_only_and_a_hole_past_the_end_is_still_jumped(
+        tmp_path, monkeypatch) -> None:
+    """LogFollower: the fingerprint is the bytes just read (no pread for it), the hole check is
+    the first byte read (no lseek a tick); a writer seeking past the end still has its hole
+    jumped, not read, and a copytruncate still restarts the file."""
+    from stallwatch.probes import logfollow
+
+    log = tmp_path / "job.log"
+    log.write_bytes(b"start\n")
+    f = logfollow.LogFollower(log)
+    calls: list[str] = []
+    for name in ("pread", "lseek"):
+        real = getattr(os, name)
+        monkeypatch.setattr(logfollow.os, name, lambda *a, _n=name, _r=real: calls.append(_n) or _r(*a))
+    assert f.poll().lines == ["start"]
+    for i in range(3):
+        with open(log, "ab") as w:
+            w.write(f"line {i}\n".encode())
+        calls.clear()
+        assert f.poll().lines == [f"line {i}"]
+        assert calls == ["pread", "pread"], calls  # the prefix check and the new bytes
+    with open(log, "ab") as w:  # up to a block's end: the hole below is a whole one
+        w.write(b"z" * (4095 - f.offset % 4096) + b"\n")
+    assert len(f.poll().lines) == 1 and f.offset % 4096 == 0
+    with open(log, "r+b") as w:  # a writer seeking 1 MiB past the end
+        w.seek(1 << 20, os.SEEK_END)
+        w.write(b"after the hole\n")
+    calls.clear()
+    r = f.poll()
+    assert r.lines == ["after the hole"] and "lseek" in calls
+    assert r.read_bytes < 4096 and f.skipped_hole_bytes >= 1 << 20  # jumped, not read
+    with open(log, "r+b") as w:  # copytruncate, then the job writes as much again at once
+        w.truncate(0)
+        w.write(b"x" * 100 + b"\nnew run\n" + b"y" * (f.offset - 100))
+    r = f.poll()
+    assert f.truncations == 1 and "new run" in r.lines

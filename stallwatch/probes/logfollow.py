@@ -64,6 +64,7 @@ class LogFollower:
         # max_line_bytes; its head is kept) or "cut" (the first read began mid-line).
         self._dropping: str | None = None
         self._fingerprint = b""
+        self._fingerprint_end = -1  # the offset the fingerprint's bytes end at
         self._vanished = False  # seen absent after we knew it
         self.rotations = self.truncations = self.overlong_lines = 0
         self.bytes_read_total = self.lines_total = self.skipped_hole_bytes = 0
@@ -115,6 +116,7 @@ class LogFollower:
             return FollowResult(ProbeStatus.denied, f"{self.path} is a file uid {self.reader[0]} "
                                                   "(the job's user) cannot read: refused")
         budget = self.chunk_budget_bytes
+        restarted = True
         if self.ident is None:
             # First sight: learn history from the tail only, whatever the file's size.
             res.first = True
@@ -132,23 +134,41 @@ class LogFollower:
             # Truncated, or copytruncate'd and refilled past our offset before we looked.
             self.truncations += 1
             self._restart()
+        else:
+            restarted = False
         self.ident, self.size, self._vanished = ident, st.st_size, False
-        self._skip_hole(fd, st.st_size)
+        # A hole (below) comes with a restart, or from a writer seeking past the end: where
+        # neither is known, the first bytes read tell (a hole reads as NULs), and the lseek a
+        # tick is spared. Before a catch-up the order stays as it was: hole first.
+        hole_unknown = not restarted and st.st_size - self.offset <= self.max_backlog_bytes
+        if not hole_unknown:
+            self._skip_hole(fd, st.st_size)
         if not res.first:
             self._catch_up(fd, st.st_size)
+        # The fingerprint is the last bytes read, when this read went on from where the last
+        # one ended or read enough: no pread for it (issue 17).
+        tail = self._fingerprint if self._fingerprint_end == self.offset else None
         while budget > 0 and self.offset < st.st_size:
             data = os.pread(fd, min(self.read_size, budget), self.offset)
             if not data:
                 break
+            if hole_unknown:
+                hole_unknown = False
+                if data[0] == 0 and self._skip_hole(fd, st.st_size):
+                    tail = None
+                    continue  # read from the data after the hole
             self.offset += len(data)
             budget -= len(data)
             res.read_bytes += len(data)
+            tail = (tail + data[-_FINGERPRINT:])[-_FINGERPRINT:] if tail is not None else data[-_FINGERPRINT:]
             self._feed(data, res)
         self.bytes_read_total += res.read_bytes
         self.lines_total += len(res.lines)
         if res.read_bytes:
             n = min(_FINGERPRINT, self.offset)
-            self._fingerprint = os.pread(fd, n, self.offset - n)
+            if tail is None or len(tail) < n:  # a jump, then fewer bytes than a fingerprint
+                tail = os.pread(fd, n, self.offset - n)
+            self._fingerprint, self._fingerprint_end = tail, self.offset
         if self._partial and self._dropping is None:
             raw = self._partial.decode("utf-8", "replace")
             res.partial = clean_line(raw) or None
@@ -159,7 +179,7 @@ class LogFollower:
         self.offset = 0
         self._partial.clear()
         self._dropping = None
-        self._fingerprint = b""
+        self._fingerprint, self._fingerprint_end = b"", 0
 
     def _same_prefix(self, fd: int) -> bool:
         """The bytes just before our offset are still those we read: one small pread a tick."""
@@ -179,19 +199,22 @@ class LogFollower:
         self._partial.clear()
         self._dropping = "cut" if os.pread(fd, 1, new - 1) not in (b"\n", b"\r") else None
 
-    def _skip_hole(self, fd: int, size: int) -> None:
+    def _skip_hole(self, fd: int, size: int) -> bool:
+        """True when the offset moved past a hole."""
         # A writer without O_APPEND keeps its offset across copytruncate and leaves a hole of
         # NULs up to it; SEEK_DATA jumps over it instead of reading gigabytes of zeros.
         if self.offset >= size:
-            return
+            return False
         try:
             nxt = os.lseek(fd, self.offset, os.SEEK_DATA)
         except OSError:  # ENXIO: only hole up to EOF; EINVAL: not supported here
-            return
+            return False
         if nxt > self.offset:
             self.skipped_hole_bytes += nxt - self.offset
             self.offset = nxt
             self._partial.clear()
+            return True
+        return False
 
     def _feed(self, data: bytes, res: FollowResult) -> None:
         pos = 0
