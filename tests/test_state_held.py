@@ -199,9 +199,29 @@ def test_daemon_tick_is_one_transaction_and_status_reads_it(tmp_path: Path) -> N
             assert row["pid"] == sleeper.pid
             assert doc["daemon"]["last_tick_at"] == pytest.approx(float(meta["last_tick_at"]))
         assert runner._verdict_json.dumps == dumps  # the same verdict: not dumped again
+
+        class Sinks:  # the alert dispatcher's health, as Dispatcher.status() gives it
+            doc: dict[str, Any] = {"sinks": [{"name": "ops", "ok": True, "sent": 0}]}
+
+            def status(self) -> dict[str, Any]:
+                return json.loads(json.dumps(self.doc))  # a new object each tick, like the real one
+
+        d.dispatcher = Sinks()
+        written = []
+        for sent in (0, 0, 0, 1, 1):
+            Sinks.doc["sinks"][0]["sent"] = sent
+            stmts.clear()
+            d.tick()
+            assert _begins(stmts) == 1
+            written.append(any("'alerts'" in s for s in stmts))
+            ro = _reader(state)
+            assert json.loads(ro.get_meta("alerts")) == Sinks.doc
+            ro.close()
+        assert written == [True, False, False, True, False]  # written when it changed
     finally:
         sleeper.kill()
         sleeper.wait(10)
+        d.dispatcher = None  # the stand-in has nothing to close
         d.shutdown()
 
 
