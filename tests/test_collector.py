@@ -295,6 +295,9 @@ def test_the_unvalidated_snapshot_equals_a_validated_build():
     assert snap.model_dump_json() == validated.model_dump_json()
     assert Snapshot.model_validate_json(snap.model_dump_json()) == snap
     assert [r.name for r in snap.probes][:2] == ["processes", "gpu"] and snap.processes is not None
+    for r in snap.probes:  # the runner's reports are unvalidated too
+        again = type(r)(**{n: getattr(r, n) for n in r.model_fields_set})
+        assert r == again and type(r.duration_s) is float and type(r.status) is type(again.status)
 
 
 def test_run_inline_hands_back_the_last_report_for_the_same_value():

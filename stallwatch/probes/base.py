@@ -333,6 +333,9 @@ class DeadlineRunner:
             # that stops `stallwatch record`) is the caller's and propagates; a probe's own
             # failure is its call's `error`, read in _report.
             self._lane.wait(batch, t0 + HANDOFF_SHARE * shortest, t0 + shortest)
+            if batch.done():  # all ended within the shortest deadline: each in time (the usual)
+                return [self._report(name, call, deadline_s, t0, call is not None)
+                        for name, call, deadline_s in started]
             for deadline_s in sorted({d for _, _, d in started}):  # each call, at its deadline
                 if deadline_s > shortest:  # wait on for the calls with this deadline or longer
                     batch.wait_for([c for _, c, d in started if c is not None and d >= deadline_s],
@@ -352,10 +355,12 @@ class DeadlineRunner:
             return None, ProbeReport(name=name, status=ProbeStatus.timeout,
                                      duration_s=self._clock.monotonic() - t0,
                                      error=f"{name} did not return within {deadline_s:g} s")
-        duration_s = (call.finished or t0) - t0
+        duration_s = float((call.finished or t0) - t0)
         if call.error is not None:  # every failure of a probe becomes its report
             return None, report_for_exception(name, call.error, duration_s)
-        return call.value, ProbeReport(name=name, status=ProbeStatus.ok, duration_s=duration_s)
+        # Unvalidated: a str, a member and a float of ours, each tick for every probe (issue 17)
+        return call.value, ProbeReport.model_construct(name=name, status=ProbeStatus.ok,
+                                                       duration_s=duration_s)
 
 
 def report_for_observation(report: ProbeReport, value: object) -> ProbeReport:
