@@ -178,7 +178,9 @@ class Batch:
         for call in calls:
             call.batch = self
         self._lock = threading.Lock()
-        self._ended = threading.Condition(self._lock)  # notified as each call ends
+        # Notified as each call ends; made by the first wait_for only (a batch late past its
+        # shortest deadline): a healthy batch makes no Condition and notifies none (issue 17).
+        self._ended: threading.Condition | None = None
         # Held until the last call ends: a bare lock is the cheapest thing to wait on (an Event
         # makes a Condition and a lock per wait).
         self._pending = threading.Lock()
@@ -210,7 +212,9 @@ class Batch:
 
     def wait_for(self, calls: list[Call], timeout_s: float) -> bool:
         """True once each of `calls` has ended (the others may still run)."""
-        with self._ended:
+        with self._lock:
+            if self._ended is None:  # under the lock run() notifies under: no end is missed
+                self._ended = threading.Condition(self._lock)
             return self._ended.wait_for(lambda: all(c.done for c in calls), max(0.0, timeout_s))
 
     def run(self, call: Call) -> None:
@@ -233,7 +237,8 @@ class Batch:
             self._left -= 1
             if self._left == 0:
                 self._pending.release()
-            self._ended.notify_all()
+            if self._ended is not None:
+                self._ended.notify_all()
 
     def run_lane(self) -> None:
         for call in self.calls:
