@@ -72,3 +72,83 @@ def test_an_unchanged_verdict_is_the_same_object_and_a_changed_one_is_new(tmp_pa
     moved = ev.evaluate({**data, "log": {"idle_s": 6}}, 2.0)
     assert moved.verdict is not first.verdict and moved.verdict.summary == "no progress for 6 s in a"
     assert ev.evaluate({**data, "log": {"idle_s": 0}}, 3.0).verdict.kind == "unknown"
+
+
+# ------------------------------------------------------------ a rule's texts from one CEL run
+
+TRACES = Path(__file__).parent / "data" / "traces"
+
+
+def _vars_of_traces(every: int = 25, only: str = "*"):
+    from stallwatch.engine.features import features
+    from stallwatch.probes.snapshot import Snapshot
+    from stallwatch.probes.trace import read_trace
+
+    for path in sorted(TRACES.glob(f"{only}.jsonl")):
+        _, snaps, _ = read_trace(path)
+        for raw in snaps[::every]:
+            snap = Snapshot.model_validate({k: v for k, v in raw.items() if k != "type"})
+            yield path.stem, features(snap)
+
+
+def test_the_batched_texts_are_those_rendered_placeholder_by_placeholder() -> None:
+    from stallwatch.engine import diagnose
+    from stallwatch.engine.alerting import _render_text
+    from stallwatch.engine.textbatch import compile_batch, render_batch
+
+    rules = list(diagnose.load(None))
+    batches = {r.name: compile_batch(r) for r in rules}
+    # every default rule but those looping over a list (`each`) has one
+    assert {n for n, b in batches.items() if b is None} == {
+        r.name for r in rules if any(ev.each is not None for ev in r.evidence)}
+    batched = failed = 0
+    for _, v in _vars_of_traces():
+        env = Vars(v)
+        for rule in rules:
+            if batches[rule.name] is None:
+                continue
+            errors: list = []
+            one_by_one = _render_text(rule, env, errors)
+            got = render_batch(rule, batches[rule.name], env)
+            if errors:  # a placeholder failed: so does the batch, and the usual way says which
+                assert got is None, rule.name
+                failed += 1
+                continue
+            assert got is not None, rule.name
+            summary, evidence, advice, cause = got
+            assert summary == one_by_one.summary
+            assert evidence == [(e.signal, e.detail) for e in one_by_one.evidence]
+            assert tuple(advice) == one_by_one.advice and cause == one_by_one.cause
+            batched += 1
+    # real captures, many rules on each (one whose placeholder fails: the test below)
+    assert batched > 250 and failed == 0
+
+
+def test_a_batch_that_fails_falls_back_to_the_placeholders_and_their_errors(tmp_path) -> None:
+    ev = _evaluator(tmp_path, RULE + 'evidence = [{ signal = "x", detail = "{job.nope}" },\n'
+                    '  { signal = "y", when = "job.alive", detail = "idle {log.idle_s}" }]\n')
+    out = ev.evaluate({"job": {"alive": True, "comm": "a"}, "log": {"idle_s": 5}}, 0.0)
+    assert out.verdict.summary == "no progress for 5 s in a"
+    assert [(e.signal, e.detail) for e in out.verdict.evidence] == [
+        ("x", "{?job.nope}"), ("y", "idle 5")]
+    assert [(e.rule, e.where) for e in out.errors] == [("stall", "evidence[0]")]
+
+
+def test_the_healthy_rules_texts_take_one_cel_run(monkeypatch) -> None:
+    from stallwatch.engine import diagnose
+
+    ran: list[str] = []
+    real = Expr.evaluate
+
+    def counting(self, data):
+        ran.append(self.source)
+        return real(self, data)
+
+    [healthy] = [r for r in diagnose.load(None) if r.name == "healthy"]
+    _, v = next(_vars_of_traces(only="healthy"))
+    ev = Evaluator(diagnose.load(None))
+    env = Vars(v)
+    monkeypatch.setattr(Expr, "evaluate", counting)
+    text = ev._text(healthy, env, [])
+    assert len(ran) == 1 and "is making progress" in text.summary  # was one a placeholder
+    assert [e.signal for e in text.evidence][:2] == ["progress", "pace"]

@@ -30,6 +30,7 @@ from .expr import ExprEvalError, Vars, normalise, renormalise
 from .expr import Expr
 from .inputs import Paths, conjuncts, merge, paths, pick, unchanged
 from .rulefile import Rule, RuleSet
+from .textbatch import compile_batch, render_batch
 
 __all__ = [
     "Alert", "AlertState", "EvalError", "Evaluation", "Evaluator", "EvidenceItem",
@@ -272,6 +273,7 @@ class Evaluator:
         self.health_changes = 0  # how many times a rule's health changed: what savers compare
         self._all_ok = -1  # health_changes when every rule was last seen ok
         self._health_shot: tuple[int, tuple[RuleStatus, ...]] | None = None
+        self._batches: dict[str, Expr | None] = {}  # rule name -> textbatch.compile_batch
         self._having: set[str] = set()  # the rules with instances as this tick began
         # The last verdict and the alert it was made of: an alert snapshot is a new object only
         # when its state or text changed (_Instance.shot), and so is the verdict then.
@@ -444,9 +446,10 @@ class Evaluator:
         (inputs.py); the others give what they gave then, and every instance's timers advance
         (`_advance`) as on any tick: `for` and `keep_firing_for` are timed here, not in CEL.
 
-        A memo always holds what its rule read at the last tick (a rule whose slice moved is
-        evaluated again, or its memo's slice updated), so a rule that reads only what `same`
-        says did not change since then keeps its memo without slicing anything."""
+        A memo's `active` is always what its condition gives for its `cond_in`, and it held at
+        the last tick (a rule whose slice moved is evaluated again, or kept false by its first
+        false conjunct), so a rule that reads only what `same` says did not change since then
+        keeps its memo without slicing anything; an active memo's `text_in` is the last tick's."""
         plan: list[tuple[Rule, _Memo | None, dict[str, Any]]] = []
         fresh: list[str] = []
         # Rules false at their last evaluation: the context holds what their conditions read,
@@ -458,6 +461,14 @@ class Evaluator:
             was_false = memo is not None and not memo.active
             if memo is not None and same is not None and unchanged(
                     reads.every if memo.active else reads.cond, same):
+                plan.append((rule, memo, memo.cond_in))
+                continue
+            if (was_false and memo is not None and memo.prefix is not None and same is not None
+                    and unchanged(memo.prefix[0], same)):
+                # False still, for the conjuncts that made it false, which read nothing that
+                # moved: no slice taken. Its memo's `cond_in` may then be older than the last
+                # tick's; that only makes a later comparison miss, never match wrongly (a
+                # condition given the slice it was given before gives what it gave then).
                 plan.append((rule, memo, memo.cond_in))
                 continue
             cond_in = pick(data, reads.cond)
@@ -495,7 +506,7 @@ class Evaluator:
             texts: list[_Text] = []
 
             def text(rule: Rule = rule, texts: list[_Text] = texts, env: Vars = use) -> _Text:
-                texts.append(_render_text(rule, env, errors))
+                texts.append(self._text(rule, env, errors))
                 return texts[-1]
 
             self._apply(rule, active, labels, text, now, transitions)
@@ -534,6 +545,20 @@ class Evaluator:
         labels = self._labels(rule, env, errors)
         return None if labels is None else (True, labels, env, None)
 
+    def _text(self, rule: Rule, env: Vars, errors: list[EvalError]) -> _Text:
+        """The rule's texts: from one CEL run where that runs without error (textbatch.py),
+        else placeholder by placeholder, each failure reported."""
+        if rule.name not in self._batches:
+            self._batches[rule.name] = compile_batch(rule)
+        batch = self._batches[rule.name]
+        got = render_batch(rule, batch, env) if batch is not None else None
+        if got is None:
+            return _render_text(rule, env, errors)
+        summary, evidence, advice, cause = got
+        return _Text(summary=summary,
+                     evidence=tuple(EvidenceItem(signal=s, detail=d) for s, d in evidence),
+                     advice=tuple(advice), cause=cause)
+
     def _union(self, names: tuple[str, ...], lean: tuple[str, ...] = ()) -> Paths:
         """What the rules `names` read; those also in `lean`, their conditions alone."""
         union = self._unions.get((names, lean))
@@ -553,7 +578,7 @@ class Evaluator:
                        transitions: list[Transition]) -> None:
         judged = self._judge(rule, env, errors)
         if judged is not None:
-            self._apply(rule, *judged, lambda: _render_text(rule, env, errors), now, transitions)
+            self._apply(rule, *judged, lambda: self._text(rule, env, errors), now, transitions)
 
     @staticmethod
     def _judge(rule: Rule, env: Vars, errors: list[EvalError]
