@@ -382,6 +382,46 @@ def test_without_schedstat_context_switches_say_whether_a_thread_ran(tmp_path):
     assert p.wchan == "pipe_read" and p.ctx_unchanged_for_s == 0.0
 
 
+def test_the_batch_of_idle_threads_equals_thread_idle():
+    """_thread_rows writes _thread_idle out in its loop (the wide job's hot loop): each idle
+    thread's record from it equals _thread_idle's for the same memo and tick, through every
+    thread's stat turn."""
+    if not has_schedstat():
+        pytest.skip("this kernel has no /proc/PID/task/TID/schedstat (CONFIG_SCHED_INFO)")
+    clock = FakeClock()
+    seen = []
+    with job("pipe") as proc:
+        worker_of(proc)
+        probe = ProcessesProbe(Target(pids=(proc.pid,)), clock=clock)
+        probe.collect()
+        clock.advance(1.0)
+        probe.collect()  # a tree walk: the memos hold their schedstat descriptors
+        real = probe._thread_rows
+
+        def both(pid, rows, fds, tick):
+            before = [m.obs for m in rows]
+            out = real(pid, rows, fds, tick)
+            after = [m.obs for m in rows]
+            for m, o in zip(rows, before, strict=True):
+                m.obs = o
+            seen.append((out, [probe._thread_idle(m, fds, tick) for m in rows]))
+            for m, o in zip(rows, after, strict=True):
+                m.obs = o
+            return out
+        probe._thread_rows = both  # type: ignore[method-assign]
+        for _ in range(threads_mod.STAT_EVERY_TICKS + 1):  # every thread's stat turn, once
+            clock.advance(1.0)
+            probe.collect()
+    assert len(seen) == threads_mod.STAT_EVERY_TICKS + 1
+    for out, ref in seen:
+        assert len(out) == len(ref) == 10
+        for a, b in zip(out, ref, strict=True):
+            assert a is not b and a.__dict__ == b.__dict__
+            assert a.model_fields_set == b.model_fields_set
+            assert a.model_dump_json() == b.model_dump_json()
+        assert out[0].state_since_s > 0 and out[0].cpu_delta_s == 0.0
+
+
 def test_evolve_is_model_copy():
     t = ThreadObs(tid=1, comm="w", state="S", state_since_s=1.0, d_state_for_s=0.0,
                   ctx_unchanged_for_s=1.0, voluntary_ctxt_switches=3, nonvoluntary_ctxt_switches=1,
