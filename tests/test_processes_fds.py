@@ -35,18 +35,27 @@ for line in sys.stdin:
     elif cmd == "close":
         os.close(int(args[0]))
         print("ok", flush=True)
+    elif cmd == "connect":
+        import socket
+        s = socket.create_connection(("127.0.0.1", int(args[0])))
+        print(s.detach(), flush=True)
 """
 
 
 class ListingRoots(Roots):
-    """Roots that counts the listings of a process's fd directory."""
+    """Roots that counts the listings of a process's fd directory, and its ns/net readlinks."""
 
     listings: ClassVar[list[str]] = []
+    links: ClassVar[list[str]] = []
 
     def listdir(self, path):
         if str(path).endswith("/fd"):
             ListingRoots.listings.append(str(path))
         return super().listdir(path)
+
+    def readlink(self, path):
+        ListingRoots.links.append(str(path))
+        return super().readlink(path)
 
 
 def ask(proc, line: str) -> str:
@@ -112,3 +121,29 @@ def test_a_file_renamed_by_another_process_is_seen_within_the_tables_turn(tmp_pa
             paths.append({f.path for f in got.open_files if f.fd == fd})
         assert {str(tmp_path / "new.bin")} in paths, paths
         assert paths[-1] == {str(tmp_path / "new.bin")}  # and from then on
+
+
+def test_an_idle_process_socket_state_moves_with_its_table_reused():
+    """The peer closes the connection while no thread of the job runs: its table stands (not
+    listed, its namespace not read again), and the socket's new state is seen next collect."""
+    import socket
+
+    server = socket.create_server(("127.0.0.1", 0))
+    with server, idle_job() as proc:
+        assert proc.stdout.readline() == b"ready\n"
+        fd = int(ask(proc, f"connect {server.getsockname()[1]}"))
+        peer, _ = server.accept()
+        probe = ProcessesProbe(Target(pids=(proc.pid,)), roots=ListingRoots())
+        for _ in range(2):
+            files_of(probe, proc.pid)
+        ListingRoots.listings.clear()
+        ListingRoots.links.clear()
+        before = files_of(probe, proc.pid)
+        assert [(s.fd, s.state) for s in before.tcp] == [(fd, "ESTABLISHED")]
+        peer.close()
+        wait_until(lambda: task_state(proc.pid) == "S", what="the job to stay asleep")
+        after = files_of(probe, proc.pid)
+        assert [(s.fd, s.state) for s in after.tcp] == [(fd, "CLOSE_WAIT")]
+        # at most one of the two collects is the table's turn; only that one reads ns/net
+        ns_reads = [p for p in ListingRoots.links if p.endswith("/ns/net")]
+        assert len(ns_reads) <= len(ListingRoots.listings) <= 1, ListingRoots.links

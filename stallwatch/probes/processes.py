@@ -67,6 +67,7 @@ class _FdTable:
     infos: tuple[object, ...] = ()
     files: tuple[OpenFileObs, ...] = ()
     truncated: bool = False
+    net_ns: str | None = None  # ns/net's readlink, once read (_tcp): only a thread changes it
 
 
 class TargetSpec(Protocol):
@@ -462,13 +463,13 @@ class ProcessesProbe(TreeWalk, ThreadReader):
 
     # -------------------------------------------------------------------------- files, sockets
 
-    def _link(self, path: str | Path, signal: str, tick: _Tick) -> str | None:
+    def _link(self, path: str | Path, signal: str, denied: set[str]) -> str | None:
         try:
             return self.roots.readlink(path)
         except Absent:
             return None
         except Denied:
-            tick.denied.add(signal)
+            denied.add(signal)
             return None
 
     def _fd_table(self, st: procfs.Stat, rows: list[_ThreadMemo] | None, limit: int,
@@ -504,13 +505,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
                     pass  # gone, or hidden: read below, which says which
         denied: set[str] = set()
         fds = self._fds(pid, denied)
-        cwd = None
-        try:
-            cwd = self.roots.readlink(f"{self._pd(pid)}/cwd")
-        except Absent:
-            pass
-        except Denied:
-            denied.add("cwd")
+        cwd = self._link(f"{self._pd(pid)}/cwd", "cwd", denied)
         tick.denied |= denied
         table = _FdTable(fds, len(fds) if fds is not None else 0, cwd, frozenset(denied))
         if fds is not None and rows is not None:
@@ -559,7 +554,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         if not fds:
             return (), False, ()
         inodes = procfs.socket_inodes(fds)
-        sockets = self._tcp(pid, inodes, tick) if inodes else ()
+        sockets = self._tcp(pid, inodes, tick, table) if inodes else ()
         others = [(fd, p) for fd, p in fds.items() if fd not in inodes.values()]
         # Regular files first: a checkpoint being written matters more than the 40 fds every
         # CUDA process holds on /dev/nvidia*, and the cap must not push it out.
@@ -587,10 +582,16 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             table.infos, table.files, table.truncated = infos, out, truncated
         return out, truncated, sockets
 
-    def _tcp(self, pid: int, inodes: dict[int, int], tick: _Tick) -> tuple[SocketObs, ...]:
+    def _tcp(self, pid: int, inodes: dict[int, int], tick: _Tick,
+             table: _FdTable | None = None) -> tuple[SocketObs, ...]:
         # Socket tables belong to a network namespace: read the target's own view, once per
         # namespace per tick.
-        ns = self._link(self._paths.pid(pid, "ns/net"), "ns", tick) or f"pid:{pid}"
+        ns = table.net_ns if table is not None else None
+        if ns is None:
+            ns = self._link(self._paths.pid(pid, "ns/net"), "ns", tick.denied)
+            if table is not None:  # kept when read: a refusal is read (and reported) again
+                table.net_ns = ns
+            ns = ns or f"pid:{pid}"
         unix, tcp = self._unix.setdefault(ns, set()), self._tcp_seen.setdefault(ns, set())
         if any(i not in unix and i not in tcp for i in inodes):
             found = tick.unix.get(ns)
