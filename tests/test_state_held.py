@@ -4,6 +4,7 @@ together at its end; this connection reads them at once, other connections when 
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
 import time
@@ -84,38 +85,49 @@ def test_a_write_at_once_goes_out_with_the_held_ones_and_wins(tmp_path: Path) ->
     db.close()
 
 
-class _FailingCommit:
-    """The connection, with its next COMMIT failing (the file's trouble at the worst moment)."""
-
-    def __init__(self, conn: Any) -> None:
-        self._conn = conn
-        self.fail = True
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._conn, name)
-
-    def execute(self, sql: str, args: tuple = ()) -> Any:
-        if self.fail and sql.startswith("COMMIT"):
-            self.fail = False
-            raise __import__("sqlite3").OperationalError("simulated I/O trouble")
-        return self._conn.execute(sql, args)
-
-
 def test_a_failed_flush_keeps_the_rows_for_the_next_transaction(tmp_path: Path) -> None:
     db = StateDB.open(tmp_path)
     db.ensure_job("a", "command", "{}")
-    real = db.conn
-    db.conn = _FailingCommit(real)  # type: ignore[assignment]
+    # A write refused mid-transaction, after the job row went in (not the file's trouble).
+    db.conn.execute("CREATE TEMP TRIGGER refuse BEFORE INSERT ON meta "
+                    "BEGIN SELECT RAISE(ABORT, 'simulated refusal'); END")
     with db.held():
+        db.update_job_later("a", verdict_at=7.0)
         db.set_metas_later({"alerts:a": "[1]"})
-    with pytest.raises(Exception, match="simulated"):
+    with pytest.raises(sqlite3.DatabaseError, match="simulated"):
         db.flush()
-    assert not real.in_transaction
-    assert db.get_meta("alerts:a") == "[1]"  # still held, still read here
-    db.flush()
-    db.conn = real
+    assert not db.conn.in_transaction and db.degraded is None
+    assert db.get_meta("alerts:a") == "[1]" and db.job("a")["verdict_at"] == 7.0  # still held
     ro = _reader(tmp_path)
-    assert ro.get_meta("alerts:a") == "[1]"
+    assert ro.job("a")["verdict_at"] is None  # the job row was rolled back with the rest
+    ro.close()
+    db.conn.execute("DROP TRIGGER refuse")
+    db.flush()
+    ro = _reader(tmp_path)
+    assert ro.get_meta("alerts:a") == "[1]" and ro.job("a")["verdict_at"] == 7.0
+    ro.close()
+    db.close()
+
+
+def test_a_flush_the_file_refuses_goes_to_memory_then_back(tmp_path: Path) -> None:
+    db = StateDB.open(tmp_path, busy_timeout_s=0.1)
+    db.ensure_job("a", "command", "{}")
+    other = sqlite3.connect(tmp_path / "stallwatch.db", isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+    try:
+        with db.held():
+            db.update_job_later("a", verdict_at=8.0)
+            db.set_metas_later({"ticks": "3"})
+        db.flush()
+        assert db.degraded and "locked" in db.degraded
+        assert db.get_meta("ticks") == "3" and db.job("a")["verdict_at"] == 8.0
+        assert db.conn.mem.execute("SELECT value FROM meta WHERE key = 'ticks'").fetchone() == ("3",)
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert db.write_back() and db.degraded is None
+    ro = _reader(tmp_path)
+    assert ro.get_meta("ticks") == "3" and ro.job("a")["verdict_at"] == 8.0
     ro.close()
     db.close()
 

@@ -29,6 +29,7 @@ Tables (schema version 1):
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -132,6 +133,34 @@ _SET_META = ("INSERT INTO meta(key, value) VALUES(?, ?) ON CONFLICT(key) "
              "DO UPDATE SET value = excluded.value")
 
 
+@functools.lru_cache(maxsize=64)
+def _update_sql(cols: tuple[str, ...]) -> str:
+    """The UPDATE of a job row's `cols` (made once per set of columns: the tick's is the same)."""
+    return f"UPDATE jobs SET {', '.join(f'{k} = ?' for k in cols)} WHERE name = ?"
+
+
+@functools.lru_cache(maxsize=64)
+def _set_metas_sql(n: int) -> str:
+    """The upsert of `n` meta rows in one statement."""
+    return (f"INSERT INTO meta(key, value) VALUES {', '.join(['(?, ?)'] * n)} "
+            f"ON CONFLICT(key) DO UPDATE SET value = excluded.value")
+
+
+class _Holding:
+    """`StateDB.held()`: a counter, not a generator (one context manager a tick, kept)."""
+
+    __slots__ = ("db",)
+
+    def __init__(self, db: StateDB) -> None:
+        self.db = db
+
+    def __enter__(self) -> None:
+        self.db._holding += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.db._holding -= 1
+
+
 def _inserted_id(cur: sqlite3.Cursor) -> int:
     if cur.lastrowid is None:  # sqlite3 sets it after every INSERT
         raise RuntimeError("sqlite3 reported no row id for an INSERT")
@@ -153,6 +182,7 @@ class StateDB:
         # Writes held for the tick's one transaction (`held`, `update_job_later`,
         # `set_metas_later`): job name -> columns, meta key -> value; the latest value wins.
         self._holding = 0
+        self._holding_ctx = _Holding(self)
         self._held_jobs: dict[str, dict[str, Any]] = {}
         self._held_meta: dict[str, str | None] = {}
 
@@ -316,7 +346,7 @@ class StateDB:
         self.conn.execute("BEGIN IMMEDIATE")
         self._depth = 1
         try:
-            self._write_held()  # first: every write after them is newer
+            self._write_held(self.conn)  # first: every write after them is newer
             yield self.conn
         except BaseException:
             self._depth = 0
@@ -342,34 +372,55 @@ class StateDB:
     # the tick ends. Only rows a crash may lose one tick of are held: an intent, an incident or
     # a phase is written at once, as before.
 
-    @contextmanager
-    def held(self) -> Iterator[None]:
-        """Inside, the `*_later` writes are held: the next transaction, or `flush`, writes them."""
-        self._holding += 1
-        try:
-            yield
-        finally:
-            self._holding -= 1
+    def held(self) -> _Holding:
+        """`with db.held():` inside, the `*_later` writes are held: the next transaction, or
+        `flush`, writes them."""
+        return self._holding_ctx
 
     def flush(self) -> None:
-        """Write the held rows now, in one transaction (none when nothing is held)."""
-        if (self._held_jobs or self._held_meta) and not self._depth:
-            with self.tx():
+        """Write the held rows now, in one transaction (none when nothing is held).
+
+        The tick's own path, once a tick: straight to the connection in use, without `tx` and
+        `_Conn`'s statement log (each frame more is cold memory at 1 s). A write the file
+        refuses (full disk, a lock) moves the state to memory (`_Conn.degrade`) and the rows,
+        still held until the COMMIT, are written there."""
+        if self._depth or not (self._held_jobs or self._held_meta):
+            return
+        conn = self.conn
+        try:
+            self._write_held_tx(conn.active)
+        except sqlite3.OperationalError as e:
+            if conn.active is not conn.file or not _degrading(e):
+                raise
+            conn.degrade(e)
+            self._write_held_tx(conn.active)
+        self._held_jobs.clear()
+        self._held_meta.clear()
+
+    def _write_held_tx(self, c: sqlite3.Connection) -> None:
+        c.execute("BEGIN IMMEDIATE")
+        try:
+            self._write_held(c)
+            c.execute("COMMIT")
+        except BaseException:
+            try:
+                if c.in_transaction:
+                    c.execute("ROLLBACK")
+            except sqlite3.Error:
                 pass
+            raise
 
     def _hold(self) -> bool:
         """True when a `*_later` write is to be held; else it is written at once (outside a
         `held` block, or inside an open transaction, which it joins)."""
         return self._holding > 0 and not self._depth
 
-    def _write_held(self) -> None:
+    def _write_held(self, c: Any) -> None:
         for name, fields in self._held_jobs.items():
-            self._update_job_now(name, fields)
+            c.execute(_update_sql(tuple(fields)), (*fields.values(), name))
         if self._held_meta:  # one statement for them all: each is another trip into sqlite
-            rows = ", ".join(["(?, ?)"] * len(self._held_meta))
-            self.conn.execute(f"INSERT INTO meta(key, value) VALUES {rows} ON CONFLICT(key) "
-                              f"DO UPDATE SET value = excluded.value",
-                              tuple(x for kv in self._held_meta.items() for x in kv))
+            c.execute(_set_metas_sql(len(self._held_meta)),
+                      tuple(x for kv in self._held_meta.items() for x in kv))
 
     def _rollback(self) -> None:
         try:
@@ -476,8 +527,7 @@ class StateDB:
         self._held_jobs.setdefault(name, {}).update(fields)
 
     def _update_job_now(self, name: str, fields: Mapping[str, Any]) -> None:
-        cols = ", ".join(f"{k} = ?" for k in fields)
-        self.conn.execute(f"UPDATE jobs SET {cols} WHERE name = ?", (*fields.values(), name))
+        self.conn.execute(_update_sql(tuple(fields)), (*fields.values(), name))
 
     def next_seq(self, name: str) -> int:
         """Reserve the next spawn number (status file and unit name) — its own transaction, so a
