@@ -127,11 +127,21 @@ def _check(key: str, demos) -> dict:
     return doc
 
 
+def _within_contract(doc: dict) -> None:
+    """The contract (DESIGN.md, docs/contract.md): a job progressing about every second is
+    classified within 30 s of its last progress; not before the default rules' 20 s floor."""
+    after = doc["detected_after_last_progress_s"]
+    assert after is not None and 18 <= after <= 30, \
+        f"{after} s after the last progress; the evidence: {doc['evidence']}"
+
+
 @pytest.mark.parametrize("fault", ["hang"])
 def test_demo_hang(fault, demos) -> None:
     doc = _check(fault, demos)
-    # the contract: a job progressing about every second is stalled within 30 s
-    assert doc["detected_after_s"] is not None and 18 <= doc["detected_after_s"] <= 30
+    _within_contract(doc)
+    # the writer hangs with one write queued (--max-pending-io 1): the progress stops with the
+    # fault, so "after the fault" is the contract's "after the last progress" (the log's mtime)
+    assert -0.3 <= doc["detected_after_s"] - doc["detected_after_last_progress_s"] < 2, doc
     assert doc["restarts"] == 1
     whats = [e["what"] for e in doc["timeline"]]
     for step in ("alert", "kill", "validate", "restart", "resume"):
@@ -157,7 +167,7 @@ def test_demo_crash(fault, demos) -> None:
 @pytest.mark.parametrize("fault", ["server_hang"])
 def test_demo_server_hang(fault, demos) -> None:
     doc = _check(fault, demos)
-    assert doc["detected_after_s"] is not None and 18 <= doc["detected_after_s"] <= 30
+    _within_contract(doc)
     # the fault is in the server: the client is never restarted; the demo, as the operator,
     # resumes the scheduler and the same client run finishes
     assert doc["restarts"] == 0

@@ -39,6 +39,7 @@ class DemoStory:
     fault_wall: float | None
     fault_how: str
     last_progress_wall: float | None
+    progress_walls: list[float]
     incidents: dict[int, dict[str, Any]]
     first_incident: dict[str, Any] | None
     detected_wall: float | None
@@ -116,14 +117,17 @@ class DemoStory:
         after = ""
         if self.fault_wall is not None:
             after = f" {inc['started_at'] - self.fault_wall:.1f} s after the fault"
+        # the last progress before the verdict: a late poll may already have read the resumed
+        # run's first lines
+        last_progress = max((w for w in self.progress_walls if w <= inc["started_at"]), default=None)
         if self.first_incident is None:
             self.first_incident = inc
             self.detected_wall = inc["started_at"]
-            self.progress_wall_at_detection = self.last_progress_wall
+            self.progress_wall_at_detection = last_progress
         shown = evidence[:4] + [e for e in evidence[4:] if e.startswith("progress:")][:1]
         self.say("detect", f"verdict {inc['kind']}{after}: {inc['summary']}", shown)
-        if inc["kind"] in ("hang", "io_stall", "server_hang") and self.last_progress_wall:
-            idle = inc["started_at"] - self.last_progress_wall
+        if inc["kind"] in ("hang", "io_stall", "server_hang") and last_progress is not None:
+            idle = inc["started_at"] - last_progress
             self.console.print(
                 f"{'':19}[dim]({idle:.0f} s after the last progress line: the stall threshold "
                 "of a job this fast is 20 s without progress — the floor; a slower job gets "
