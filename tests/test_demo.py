@@ -1,7 +1,8 @@
 """`stallwatch demo --fault X --json`, each fault end to end through the real CLI.
 
 Each demo takes 30-65 s, mostly waiting (the default rules need 20 s without progress, plus 2 s
-of confirmation, to call a ~0.4 s-cadence job stalled). The selected demos are started together
+of confirmation, to call a ~0.4 s-cadence job stalled; the contract allows 30 s from the last
+progress, which the demo times by the log's mtime). The selected demos are started together
 by a module fixture, each in its own temporary directory with its own server port, state
 database and (for io_stall) loop device, and each test waits for its own: the module takes about
 as long as the slowest demo instead of the sum.
@@ -263,3 +264,23 @@ def test_zombie_leader_with_a_live_thread_is_not_gone() -> None:
             os.killpg(p.pid, 9)
             p.wait()
         p.stdout.close()
+
+
+def test_detection_is_timed_from_the_last_progress_before_the_verdict(tmp_path) -> None:
+    """A poll that comes late may read the resumed run's first progress before it reads the
+    incident: the time from the last progress is taken from the progress written before it."""
+    import io
+
+    from rich.console import Console
+
+    from stallwatch.commands.demo import Demo
+
+    d = Demo("hang", console=Console(file=io.StringIO()))
+    d.fault_wall = 1000.0
+    d.progress_walls = [990.0, 999.5, 1000.1, 1026.0]  # 1026: the resumed run, read late
+    inc = {"id": 1, "kind": "hang", "summary": "s", "started_at": 1023.0, "state": "firing",
+           "note": "", "verdict_json": json.dumps({"evidence": []})}
+    d._narrate_detection(inc)
+    doc = d.summary()
+    assert doc["detected_after_s"] == 23.0
+    assert doc["detected_after_last_progress_s"] == 22.9
