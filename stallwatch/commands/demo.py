@@ -3,8 +3,8 @@
 In a temporary directory: the protocol server (SGLang's HTTP protocol, a tiny model — pure
 Python unless torch and CUDA are here), the reference extraction client writing one `.ckpt` per
 sample as a supervised job of the real daemon (run in a thread of this process, with the default
-rules), and an alert sink that narrates to the terminal (a `command` sink running this module's
-`--alert-sink` printer; plus desktop notifications when a session bus is there). The demo reads
+rules), and an alert sink that narrates to the terminal (a `command` sink running
+commands/demo_sink.py; plus desktop notifications when a session bus is there). The demo reads
 the daemon's state database and tells what happens: detection (verdict and evidence), alert,
 kill, validation and quarantine, resume, completion; then a table, and checks the outputs.
 
@@ -172,7 +172,7 @@ class Demo(DemoStory):
 [[alert]]
 name = "terminal"
 type = "command"
-argv = {q([sys.executable, "-m", "stallwatch.commands.demo", "--alert-sink", str(self.alerts_file)])}
+argv = {q([sys.executable, "-m", "stallwatch.commands.demo_sink", str(self.alerts_file)])}
 """
         if session_bus_address() is not None:
             alerts += '\n[[alert]]\nname = "desktop"\ntype = "desktop"\n'
@@ -553,20 +553,3 @@ def run_demo(fault: str = "hang", *, keep: bool = False, json_out: bool = False,
         sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
     return 0 if doc["ok"] else 2
 
-
-def _alert_sink(path: str) -> int:
-    """The demo's `command` alert sink: the event (JSON on stdin) appended to a file that the
-    demo narrates from."""
-    data = sys.stdin.read().strip()
-    if data:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(json.loads(data)) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--alert-sink":
-        sys.exit(_alert_sink(sys.argv[2]))
-    print("usage: python -m stallwatch.commands.demo --alert-sink FILE (the demo's alert sink; run "
-          "`stallwatch demo` for the demo)", file=sys.stderr)
-    sys.exit(3)
