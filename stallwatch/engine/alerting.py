@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from stallwatch.model import Frozen
 from stallwatch.vocab import SEVERITY_RANK
 
-from .expr import ExprEvalError, Vars, normalise, renormalise
+from .expr import ExprError, ExprEvalError, Vars, compile_expr, normalise, renormalise
 from .expr import Expr
 from .inputs import Paths, conjuncts, merge, paths, pick, unchanged
 from .rulefile import Rule, RuleSet
@@ -273,6 +273,7 @@ class Evaluator:
         self.health_changes = 0  # how many times a rule's health changed: what savers compare
         self._all_ok = -1  # health_changes when every rule was last seen ok
         self._health_shot: tuple[int, tuple[RuleStatus, ...]] | None = None
+        self._probes: dict[str, Expr | None] = {}  # rule name -> _conj_probe
         self._batches: dict[str, Expr | None] = {}  # rule name -> textbatch.compile_batch
         self._having: set[str] = set()  # the rules with instances as this tick began
         # The last verdict and the alert it was made of: an alert snapshot is a new object only
@@ -527,7 +528,7 @@ class Evaluator:
         condition and then its conjuncts again. Only an error, a non-bool or every conjunct
         true evaluates the whole condition, as for any rule."""
         reads = self._reads[rule.name]
-        prefix = _first_false(reads.conj, env, data) if lean else None
+        prefix = self._first_false(rule, env, data) if lean else None
         if prefix is not None:
             return False, (), env, prefix
         try:
@@ -536,7 +537,7 @@ class Evaluator:
             errors.append(_error(rule, "condition", exc))
             return None
         if not active:  # (lean: _first_false found no prefix in the same context)
-            return False, (), env, None if lean else _first_false(reads.conj, env, data)
+            return False, (), env, None if lean else self._first_false(rule, env, data)
         if lean:  # true now: its labels and texts read more than its condition
             wide = self._context(pick(data, reads.every), errors)
             if wide is None:
@@ -544,6 +545,32 @@ class Evaluator:
             env = wide
         labels = self._labels(rule, env, errors)
         return None if labels is None else (True, labels, env, None)
+
+    def _first_false(self, rule: Rule, env: Vars, data: dict[str, Any]
+                     ) -> tuple[Paths, dict[str, Any]] | None:
+        """The first conjunct that is false, after only true ones: what they read, and its
+        slice; None when every one is true, or one fails or is not a bool.
+
+        Found by one CEL run of `c0 ? (c1 ? 2 : 1) : 0` (CEL's `?:` runs the branch taken
+        alone, as the conjuncts one by one would); only when that fails are they run one by
+        one, to tell a failure from a non-bool exactly as before."""
+        conj = self._reads[rule.name].conj
+        if not conj:
+            return None
+        if rule.name not in self._probes:
+            self._probes[rule.name] = _conj_probe(conj)
+        probe = self._probes[rule.name]
+        if probe is not None:
+            try:
+                at = probe.evaluate(env)
+            except ExprEvalError:
+                at = None
+            if type(at) is float and 0 <= at <= len(conj) and at == int(at):
+                if at == len(conj):
+                    return None  # every conjunct true
+                upto = conj[int(at)][1]
+                return upto, pick(data, upto)
+        return _first_false(conj, env, data)
 
     def _text(self, rule: Rule, env: Vars, errors: list[EvalError]) -> _Text:
         """The rule's texts: from one CEL run where that runs without error (textbatch.py),
@@ -664,6 +691,19 @@ def _transition(inst: _Instance, before: AlertState, now: float) -> Transition:
 
 def _error(rule: Rule, where: str, exc: ExprEvalError) -> EvalError:
     return EvalError(rule=rule.name, where=where, error=f"{exc.message} in `{exc.source}`")
+
+
+def _conj_probe(conj: tuple[tuple[Expr, Paths], ...]) -> Expr | None:
+    """`c0 ? (c1 ? (c2 ? 3 : 2) : 1) : 0`: the index of the first false conjunct, or their
+    number when all hold (the literals are doubles: expr.py rewrites ints)."""
+    body = str(len(conj))
+    for i in range(len(conj) - 1, -1, -1):
+        # newlines: a `//` comment in a conjunct ends there
+        body = f"(({conj[i][0].source}\n) ? ({body}) : {i})"
+    try:
+        return compile_expr(body)
+    except ExprError:
+        return None
 
 
 def _first_false(conj: tuple[tuple[Expr, Paths], ...], env: Vars, data: dict[str, Any]
