@@ -373,22 +373,6 @@ class JobRun(JobIncidents):
                                  advice=("read the end of the job's log for how it ended",))
         log.warning("job %s: %s", self.name, why)
 
-    def _pid_file_due(self) -> str:
-        """"now": read it before collecting (no live process of it known); "batch": the re-check
-        while its process lives, which may ride the collector's batch; "": not due. Runs every
-        tick, so the usual answer ("") costs two tuple lookups: the processes probe's live
-        targets, less its zombies (issue 17)."""
-        now = self.clock.monotonic()
-        pid, snap = self._pid_file_pid, self.last_snap
-        procs = snap.processes if snap is not None else None
-        alive = (pid is not None and procs is not None and pid in procs.targets
-                 and pid not in procs.zombies)
-        if alive and self._pid_file_read_mono is not None \
-                and now - self._pid_file_read_mono < PID_FILE_RECHECK_S:
-            return ""
-        self._pid_file_read_mono = now
-        return "batch" if alive else "now"
-
     def _poll_pid_file(self, path: Path) -> PidFileCall | None:
         """Read the pid file now when no live process of it is known. The re-check while its
         process lives (every PID_FILE_RECHECK_S) is returned instead, for the caller to run in
@@ -396,12 +380,19 @@ class JobRun(JobIncidents):
         a handoff of its own cost the main thread more than the read (issue 17: ~0.6 ms a
         re-check on a loaded machine). A new pid is then adopted at the end of that tick,
         a tick later than by a read before it, and read once more before the next (that tick's
-        snapshot does not show the new process yet)."""
-        due = self._pid_file_due()
-        if not due:
+        snapshot does not show the new process yet). Runs every tick, so the usual answer
+        (None: its process lives, no re-check due) costs two tuple lookups in one frame: the
+        processes probe's live targets, less its zombies (issue 17)."""
+        now = self.clock.monotonic()
+        pid, snap, read_mono = self._pid_file_pid, self.last_snap, self._pid_file_read_mono
+        procs = snap.processes if snap is not None else None
+        alive = (pid is not None and procs is not None and pid in procs.targets
+                 and pid not in procs.zombies)
+        if alive and read_mono is not None and now - read_mono < PID_FILE_RECHECK_S:
             return None
+        self._pid_file_read_mono = now
         call = (f"pid_file-{self.name}", self._pid_file_reader(path), 2.0)
-        if due == "batch":
+        if alive:
             return call
         got, _rep = self._ensure_collector().runner.call(*call)
         self.take_pid_file(path, got)
