@@ -223,7 +223,11 @@ class GpuProbe:
     def unchanged(self) -> bool:
         """collect() would return the very observation it returned last (no NVML, no retry due,
         no new event): the collector hands that on without running it at all (issue 17)."""
-        return self.cannot_block() and self._still(self._last, self.nvml.status)
+        # One frame for what cannot_block() and _still() say: asked every tick (issue 17).
+        last, nv = self._last, self.nvml
+        return (last is not None and last.status is not ProbeStatus.ok and not self._lock.locked()
+                and nv.idle() and last.status == nv.status and last.error == nv.error
+                and last.xid_events_total == self._seq)
 
     def _still(self, last: GpuObs | None, status: str | None) -> bool:
         """`last` is the answer for NVML's `status` now: a failed init, same reason, no event."""
