@@ -157,3 +157,22 @@ def test_a_steady_poll_reads_the_new_bytes_only_and_a_hole_past_the_end_is_still
         w.write(b"x" * 100 + b"\nnew run\n" + b"y" * (f.offset - 100))
     r = f.poll()
     assert f.truncations == 1 and "new run" in r.lines
+
+
+def test_the_rate_is_over_the_window_only(tmp_path) -> None:
+    """_rate: the base is the latest sample at or before the window's start once one is that
+    old, and the oldest sample while none is (the walk for it is skipped then)."""
+    log = tmp_path / "job.log"
+    log.write_bytes(b"")
+    clock = FakeClock(monotonic=1000.0)
+    probe = LogProbe(log, clock=clock, rate_window_s=10.0)
+    done = 0
+    for t in range(30):
+        done += 1 if t < 15 else 5  # a slow start, then five times the pace
+        with open(log, "ab") as f:
+            f.write(f"step {done}/100000\n".encode())
+        o = probe.collect()
+        if t == 8:  # the first sample (t=0) is still inside the window: from it
+            assert o.rate_per_s == pytest.approx((9 - 1) / 8)
+        clock.advance(1.0)
+    assert o.rate_per_s == pytest.approx(5.0)  # the last 10 s only, not the slow start

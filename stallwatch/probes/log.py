@@ -487,8 +487,10 @@ class LogProbe:
             return None
         window = max(self.rate_window_s, 3 * cadence.max_s if cadence else 0.0)
         base = self._samples[0]
-        for s in reversed(self._samples):  # the latest sample at or before the window start
-            if s[0] <= now - window:
+        # Samples are in time order: when even the oldest is inside the window, none is before
+        # it (the usual case at one sample a tick: the walk below would see all 64 for nothing).
+        for s in reversed(self._samples) if base[0] <= now - window else ():
+            if s[0] <= now - window:  # the latest sample at or before the window start
                 base = s
                 break
         span = now - base[0]

@@ -43,6 +43,8 @@ MAX_BARS = 64  # positions tracked per description: a log cannot make us keep mo
 def cursor_ups(raw: str) -> int:
     """How many cursor-up escapes end this raw (uncleaned) piece of a line: the bar's position."""
     stripped = raw.rstrip(" ")
+    if not stripped.endswith("\x1b[A"):  # most lines: no regex search along the whole line
+        return 0
     m = _UP.search(stripped)
     return 0 if m is None else m.group(0).count("\x1b[A")
 
