@@ -153,3 +153,41 @@ def test_the_healthy_rules_texts_take_one_cel_run(monkeypatch) -> None:
     text = ev._text(healthy, env, [])
     assert len(ran) == 1 and "is making progress" in text.summary  # was one a placeholder
     assert [e.signal for e in text.evidence][:2] == ["progress", "pace"]
+
+
+# ------------------------------------------------------- features: parts handed on unchanged
+
+def _snaps(name: str):
+    from stallwatch.probes.snapshot import Snapshot
+    from stallwatch.probes.trace import read_trace
+
+    _, snaps, _ = read_trace(TRACES / f"{name}.jsonl")
+    return [Snapshot.model_validate({k: v for k, v in raw.items() if k != "type"}) for raw in snaps]
+
+
+def test_a_part_whose_observation_was_handed_on_is_the_same_dict() -> None:
+    from stallwatch.engine import features as fmod
+
+    snaps = _snaps("healthy")
+    a, b = snaps[3], snaps[4]
+    first = fmod.features(a)
+    # the collector handed on the kernel and gpu observations of the last tick
+    handed = b.model_copy(update={"kernel": a.kernel, "gpu": a.gpu})
+    assert a.kernel is not None and not a.kernel.events
+    again = fmod.features(handed)
+    assert again["kernel"] is first["kernel"] and again["gpu"] is first["gpu"]
+    fmod._LAST.clear()
+    assert fmod.features(handed) == again  # what a fresh build gives
+    # a new observation (same content): built again
+    assert fmod.features(b)["kernel"] is not again["kernel"]
+
+
+def test_a_part_with_events_that_age_is_built_every_time() -> None:
+    from stallwatch.engine import features as fmod
+
+    snap = next(s for s in _snaps("oom") if s.kernel is not None and s.kernel.events)
+    first = fmod.features(snap)
+    assert first["kernel"]["oom_any"] > 0
+    later = snap.model_copy(update={"t_wall": snap.t_wall + 3600.0})  # the events aged out
+    again = fmod.features(later)
+    assert again["kernel"] is not first["kernel"] and again["kernel"]["oom_any"] == 0

@@ -18,6 +18,7 @@ the pace and `activity`.
 from __future__ import annotations
 
 from typing import Any
+from collections.abc import Callable
 
 from stallwatch.engine.serverfate import server_busy, server_fate
 from stallwatch.probes.snapshot import Snapshot
@@ -168,11 +169,14 @@ def features(snap: Snapshot) -> dict[str, Any]:
         "proc": _proc(procs, threads),
         "log": {**_log(snap), "pace": pace(snap, *known_rate(snap))},
         "outputs": _outputs(snap),
-        "gpu": _gpu(snap, job_pids, mine),
+        "gpu": _kept("gpu", snap.gpu, (job_pids, mine), snap.gpu is None or not snap.gpu.xid_events,
+                     lambda: _gpu(snap, job_pids, mine)),
         "server": {**_server(snap), **_ranks(snap)},
         "client": _client(procs, threads, server_port),
         "disk": _disk(snap),
-        "kernel": _kernel(snap, procs, _pcis_of(snap, mine)),
+        # With no kernel event the part reads nothing but the observation's status.
+        "kernel": _kept("kernel", snap.kernel, (), snap.kernel is None or not snap.kernel.events,
+                        lambda: _kernel(snap, procs, _pcis_of(snap, mine))),
         "probes": status,
         "probe_errors": [f"{r.name}: {status[r.name]}: {r.error}" for r in snap.probes
                          if status[r.name] not in ("ok", "absent") and r.error],
@@ -184,6 +188,32 @@ def features(snap: Snapshot) -> dict[str, Any]:
     v["disk"].update(_io_place(snap, v["proc"]["d"]["file"]))
     v["activity"] = _activity(v)
     return v
+
+
+# ------------------------------------------------------------------------ parts handed on as is
+
+# A part's last observation (by identity), the other inputs it was made of, and the dict made:
+# the collector hands on the same observation while nothing it reads changed (gpu without
+# NVML, a quiet kmsg), and then the part costs nothing here. The dict is shared between ticks:
+# nothing may change it in place (nothing here does; the rules and the history only read).
+# Keyed by part alone: several jobs of one daemon each hold their own observations, so they
+# take turns in the slot, which costs a rebuild, never a wrong part.
+_LAST: dict[str, tuple[Any, tuple[Any, ...], dict[str, Any]]] = {}
+
+
+def _kept(part: str, obs: Any, inputs: tuple[Any, ...], timeless: bool,
+          make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """`make()`, or the last one again while `obs` is the same object, `inputs` are equal and
+    the part does not depend on the time (`timeless`: no event that ages out)."""
+    last = _LAST.get(part)
+    if timeless and last is not None and last[0] is obs and obs is not None and last[1] == inputs:
+        return last[2]
+    value = make()
+    if timeless:
+        _LAST[part] = (obs, inputs, value)
+    else:
+        _LAST.pop(part, None)
+    return value
 
 
 # ------------------------------------------------------------------------------------- activity
