@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, field
 
 import pytest
-from rigs import spawned
+from rigs import spawned, wait_until
 
 from stallwatch.clock import FakeClock
 from stallwatch.kernel.roots import Roots
@@ -98,3 +98,20 @@ def test_each_host_process_is_read_once_a_cycle_in_slices():
         alive = {int(n) for n in os.listdir("/proc") if n.isdigit()}
         missing = (set(pids) & alive) - set(reads) - {proc.pid}
         assert not missing
+
+
+def test_a_spent_time_budget_sets_off_no_whole_scan_and_a_size_cap_does():
+    """Past a size cap the next collect reads all of /proc (cheaper than the children lists of a
+    huge tree); a spent time budget says the host is loaded, not that the tree is wide: a whole
+    scan, whose threads are then read one by one outside the walk's batch, would make the next
+    tick slower still (seen here at load 20: every such trip was followed by one)."""
+    with spawned(["bash", "-c", "sleep 300 & wait"]) as job:
+        wait_until(lambda: open(f"/proc/{job.pid}/task/{job.pid}/children").read().split(), 10)
+        for kw, whole_scan in ((dict(budget_s=0.0), False), (dict(max_processes=1), True)):
+            probe = ProcessesProbe(Target(pids=(job.pid,)), **kw)
+            first = probe.collect()
+            assert first.truncated and first.tree_processes == 2, (kw, first.truncated)
+            full_at = probe._full_scan_mono
+            again = probe.collect()
+            assert again.truncated == first.truncated and again.tree_processes == 2
+            assert (probe._full_scan_mono != full_at) is whole_scan, kw

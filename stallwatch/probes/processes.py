@@ -257,7 +257,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             else:
                 # It died while we read it: keep it so the next tick reports the exit.
                 members[key] = self._members.get(key) or _Member(role=role, comm=st.comm)
-        self._wide = bool(budget.reason)
+        self._wide = bool(budget.reason) and not budget.timed_out  # past a size cap
         observed = self._torchrun(observed)
         self._notice_exits(members, tick.now)
         self._members = members

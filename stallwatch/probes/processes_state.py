@@ -136,6 +136,9 @@ class _Budget:
     processes: int = 0
     threads: int = 0
     reason: str = ""  # why the tick stopped examining: the first cap it hit
+    # That cap was the time budget: a loaded host can spend it on a narrow tree, which a scan of
+    # all of /proc next tick would only make slower (TreeWalk._scan; issue 17).
+    timed_out: bool = False
 
     def admit(self, num_threads: int, per_process: int, now: float, target: bool) -> int:
         """How many threads of the next process to examine; 0: none, it is past a cap. The
@@ -149,6 +152,7 @@ class _Budget:
             self.reason = f"more than max_threads = {c.threads} in all"
         elif not target and c.budget_s is not None and now - self.t0 > c.budget_s:
             self.reason = f"the processes probe's time budget ({c.budget_s:g} s) spent"
+            self.timed_out = True
         if self.reason:
             return 0
         self.processes += 1

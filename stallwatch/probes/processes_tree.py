@@ -54,8 +54,9 @@ class TreeWalk:
     # lists give the job's tree alone. They are documented as possibly missing a child forked
     # while they are read, so every host process is still looked at once every
     # FULL_SCAN_EVERY_S, a slice a collect (_missed_child), and the whole of /proc is read at
-    # once for --match (which must look at every command line), at the first look, past the
-    # caps, and when a slice finds a child of the tree that the lists missed.
+    # once for --match (which must look at every command line), at the first look, past a
+    # size cap (not a spent time budget: processes_state._Budget), and when a slice finds a
+    # child of the tree that the lists missed.
     # Sliced, not whole: the whole scan every 10th tick was a wide job's slowest tick (issue 17:
     # 8 × 128 idle threads here, 4.7 ms for the scan and 12 ms more for its threads, which a
     # tick without the walk reads one by one instead of in the walk's batch; p99 of the tick).
@@ -70,7 +71,7 @@ class TreeWalk:
 
     def _scan(self, tick: _Tick) -> dict[int, procfs.Stat]:
         now = self.clock.monotonic()
-        # A tree past the caps costs less through one stat per host process than through the
+        # A tree past a size cap costs less through one stat per host process than through the
         # `children` list of each of its threads.
         if (self._match is None and not self._first_collect and not self._wide
                 and self._children_readable()):
