@@ -81,3 +81,24 @@ def test_when_the_pipelines_gpus_are_unknown_every_gpu_counts():
     v = features(snap)
     assert v["gpu"]["pipeline_gpus"] == list(range(8)) and v["gpu"]["faults_elsewhere"] == 0.0
     assert verdict(snap) == "gpu_fault"
+
+
+def test_gpu_variables_of_a_handed_on_observation_are_reused_and_equal_a_fresh_build():
+    """Without NVML the probe hands on one GpuObs: its variables are built once (by identity),
+    and equal what a fresh build of the same snapshot gives; a new observation is built anew."""
+    import os
+
+    from stallwatch.engine import features_gpu
+    from stallwatch.engine.features import features
+    from stallwatch.probes.gpu import GpuObs
+    from stallwatch.probes.snapshot import Snapshot
+    from stallwatch.probes.targets import Target
+
+    absent = GpuObs(status="no_library", error="pynvml: not here", collected_at=1.0)
+    snaps = [Snapshot(t_mono=t, t_wall=1e9 + t, host="h", target=Target(pids=(os.getpid(),)),
+                      gpu=absent) for t in (1.0, 2.0)]
+    first, second = (features(s)["gpu"] for s in snaps)
+    assert second is first and first["status"] == "no_library" and not first["present"]
+    assert first == features_gpu._gpu_vars(snaps[1], {os.getpid()}, None)
+    other = features(snaps[1].model_copy(update={"gpu": absent.model_copy()}))["gpu"]
+    assert other is not first and other == first

@@ -48,8 +48,26 @@ def _pcis_of(snap: Snapshot, mine: set[int] | None) -> set[str] | None:
     return pcis or None
 
 
+# The variables of the last GpuObs without devices or events, by identity: without NVML the gpu
+# probe hands on the same observation tick after tick (issue 17), and then they depend on
+# nothing else (no device, no pid, no event to date against t_wall). Read-only for callers.
+_NO_GPU_MEMO: tuple[Any, dict[str, Any]] = (None, {})
+
+
 def _gpu(snap: Snapshot, job_pids: set[int], mine: set[int] | None) -> dict[str, Any]:
     """mine: the pipeline's GPUs (_pipeline_gpus), None when unknown."""
+    global _NO_GPU_MEMO
+    g = snap.gpu
+    bare = g is not None and not g.devices and not g.xid_events
+    if bare and _NO_GPU_MEMO[0] is g:
+        return _NO_GPU_MEMO[1]
+    out = _gpu_vars(snap, job_pids, mine)
+    if bare:
+        _NO_GPU_MEMO = (g, out)
+    return out
+
+
+def _gpu_vars(snap: Snapshot, job_pids: set[int], mine: set[int] | None) -> dict[str, Any]:
     g = snap.gpu
     devs = list(g.devices) if g and g.status == "ok" else []
     utils = [d.util_gpu_pct for d in devs if isinstance(d.util_gpu_pct, (int, float))]
