@@ -344,6 +344,10 @@ def test_open_files_dry_run_candidates_and_limits(tmp_path):
                            dry_run=True, use_torch=False)
     assert rep.checked == 1 and rep.valid == 1 and len(rep.skipped) == 2
     assert all("max_files" in s.reason for s in rep.skipped)
+    # ... but a candidate before them, whatever its age: it is the likeliest broken one
+    rep = validate_outputs(tmp_path / "out2", 1_500_000.0, tmp_path / "q2", max_files=1,
+                           candidates=[files["old_cut"]], dry_run=True, use_torch=False)
+    assert rep.checked == 1 and [s for s, _, _ in rep.quarantined] == [str(files["old_cut"])]
 
 
 def test_missing_outputs_dir_is_nothing_to_check(tmp_path):

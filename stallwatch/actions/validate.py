@@ -159,7 +159,7 @@ def validate_outputs(
     `done`, never on the daemon's tick. It walks the whole tree (one stat per name) but
     validates only recent files, newest first, at most `max_files` of them and within
     `budget_s`; `candidates` (e.g. the files the job had open for writing when it was killed)
-    are checked whatever their age. Files in `open_paths` (open for writing by a live process)
+    are checked first, whatever their age. Files in `open_paths` (open for writing by a live process)
     are skipped: moving a file under its writer helps nobody. A quarantine folder inside the
     outputs tree is left out of the walk. Anything skipped makes the report not
     `safe_to_resume`. Each file is validated through the fd it was opened by
@@ -201,11 +201,13 @@ def validate_outputs(
             return report()
         scanned, found = _walk(out_fd, out_dir, patterns, since_wall, q_ident, max_depth,
                                errors, skipped)
+        named: set[tuple[str, ...]] = set()
         for c in candidates:
             parts = _rel_parts(c, out_dir)
             if parts is None:
                 skipped.append(Skipped(str(c), "outside the outputs directory: not touched"))
                 continue
+            named.add(parts)
             if parts in found:
                 continue
             try:
@@ -223,7 +225,10 @@ def validate_outputs(
                 found[parts] = _Found(st.st_mtime, (st.st_dev, st.st_ino))
 
         writing = {p for p in (_rel_parts(o, out_dir) for o in open_paths) if p is not None}
-        order = sorted(found, key=lambda p: (-found[p].mtime, p))  # newest first
+        # The candidates first (the likeliest broken: the job had them open for writing), then
+        # newest first: on a loaded host the budget ran out after one file of 50, and a torchrun
+        # rank's half-written file, older than the other ranks' last ones, was left in place.
+        order = sorted(found, key=lambda p: (p not in named, -found[p].mtime, p))
         checked = valid = 0
         for i, parts in enumerate(order):
             path = str(out_dir.joinpath(*parts))
