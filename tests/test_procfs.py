@@ -394,3 +394,19 @@ def test_sched_fast_path_leaves_an_odd_header_to_the_general_parse():
     odd = f"a\nse.exec_start:9 (42, #threads: 1)\n{body}"
     assert procfs._sched_fast(odd) is None
     assert procfs.parse_sched_last_run(odd) == (pytest.approx(15050.014665672), 1013071)
+
+
+def test_stat_ppid_alone_is_what_the_full_parse_says():
+    """parse_stat_ppid (the host scan's slices ask nothing else) reads the ppid past the LAST
+    ')' like parse_stat, on the captured comm with spaces and parentheses and on live lines."""
+    lines = [text(r, "stat").encode() for r in ("server", "client", "zombie")]
+    for pid in [p for p in os.listdir("/proc") if p.isdigit()][:40]:
+        try:
+            lines.append(open(f"/proc/{pid}/stat", "rb").read())
+        except OSError:
+            pass
+    for data in lines:
+        assert procfs.parse_stat_ppid(data) == procfs.parse_stat(data.decode()).ppid, data
+    for bad in (b"", b"12 (x", b"12 (x) S", b"12 x) S 1"):
+        with pytest.raises(ValueError):
+            procfs.parse_stat_ppid(bad)

@@ -67,10 +67,17 @@ class CountingRoots(Roots):
     reads: list[int] = field(default_factory=list)
 
     def read_text(self, path, limit: int = 1 << 20) -> str:
+        self._note(path)
+        return super().read_text(path, limit)
+
+    def read_small(self, path, limit: int = 16384) -> bytes:  # the slices' one read
+        self._note(path)
+        return super().read_small(path, limit)
+
+    def _note(self, path) -> None:
         parts = str(path).split("/")
         if parts[-1] == "stat" and len(parts) == 4:  # /proc/PID/stat, not a thread's
             self.reads.append(int(parts[2]))
-        return super().read_text(path, limit)
 
 
 def test_each_host_process_is_read_once_a_cycle_in_slices():

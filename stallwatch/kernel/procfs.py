@@ -74,6 +74,17 @@ def parse_stat(text: str) -> Stat:
     )
 
 
+def parse_stat_ppid(data: bytes) -> int:
+    """The ppid alone from a stat line's bytes: all a scan of the host's processes asks of
+    each (is it a child of the job's tree?), without decoding or splitting the other 50
+    fields. As parse_stat, the comm is skipped to its LAST ')'."""
+    rpar = data.rfind(b")")
+    fields = data[rpar + 2:].split(None, 2) if rpar >= 0 else []
+    if len(fields) < 2 or data.find(b"(") < 0:
+        raise ValueError(f"not a stat line: {data[:80]!r}")
+    return int(fields[1])
+
+
 def decode_wait_status(status: int) -> int:
     """A raw wait status as subprocess reports it: exit code, or minus the killing signal."""
     if os.WIFSIGNALED(status):
