@@ -90,37 +90,6 @@ def test_the_pid_file_is_reread_while_its_process_lives_only_every_recheck(
             p.kill()
 
 
-def test_dev_shm_is_listed_again_only_when_it_can_have_changed(tmp_path: Path, monkeypatch) -> None:
-    from stallwatch.probes import disks
-
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    (shm / "other").write_bytes(b"x")
-    old = time.time() - 10  # an mtime older than SHM_RACY_NS: a listing of it is trusted
-    os.utime(shm, (old, old))
-    listed: list[str] = []
-    real = disks._count_shm
-    monkeypatch.setattr(disks, "_count_shm", lambda p: listed.append(p) or real(p))
-    probe = disks.DisksProbe([], dev_shm=str(shm))
-
-    def segments() -> tuple[int | None, int | None]:
-        u, = [u for u in probe.collect().paths if u.kind == "dev_shm"]
-        return u.shm_segments, u.sgl_shm_segments
-
-    assert [segments() for _ in range(5)] == [(1, 0)] * 5
-    assert len(listed) == 1
-    (shm / "sgl_shm_mm_1").write_bytes(b"y" * 10)  # the directory's mtime moves
-    assert segments() == (2, 1) and len(listed) == 2
-    os.utime(shm, (old, old))  # SGLang segments there: listed every time (their sizes move)
-    assert [segments() for _ in range(3)] == [(2, 1)] * 3 and len(listed) == 5
-    (shm / "sgl_shm_mm_1").unlink()
-    os.utime(shm, (old + 1, old + 1))
-    assert segments() == (1, 0) and len(listed) == 6
-    segments()
-    assert len(listed) == 6
-    probe.close()
-
-
 def test_a_hot_output_closed_after_writing_is_restated_at_the_slow_cadence(tmp_path: Path,
                                                                            monkeypatch) -> None:
     from stallwatch.clock import FakeClock
