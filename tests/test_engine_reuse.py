@@ -191,3 +191,27 @@ def test_a_part_with_events_that_age_is_built_every_time() -> None:
     later = snap.model_copy(update={"t_wall": snap.t_wall + 3600.0})  # the events aged out
     again = fmod.features(later)
     assert again["kernel"] is not first["kernel"] and again["kernel"]["oom_any"] == 0
+
+
+def test_a_true_rule_evaluated_again_takes_one_run_for_its_condition_and_texts(
+        tmp_path, monkeypatch) -> None:
+    ran: list[str] = []
+    real = Expr.evaluate
+
+    def counting(self, data):
+        ran.append(self.source)
+        return real(self, data)
+
+    ev = _evaluator(tmp_path)
+    data = {"job": {"alive": True, "comm": "a"}, "log": {"idle_s": 5}}
+    ev.evaluate(data, 0.0)
+    monkeypatch.setattr(Expr, "evaluate", counting)
+    out = ev.evaluate({**data, "log": {"idle_s": 6}}, 1.0)
+    [both] = ran  # was the condition, then the texts (one run each since the batch, more before)
+    assert "job.alive && log.idle_s > 3" in both and "log.idle_s" in both.split("?", 1)[1]
+    assert out.verdict.summary == "no progress for 6 s in a" and out.errors == ()
+    ran.clear()
+    assert ev.evaluate({**data, "log": {"idle_s": 1}}, 2.0).verdict.kind == "unknown"
+    # false: the same run says so, texts not evaluated; then its first false conjunct, kept
+    # for the next ticks (_Memo.prefix)
+    assert ran[0] == both and len(ran) == 2 and "? (2) : 1" in ran[1]

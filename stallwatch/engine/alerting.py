@@ -30,7 +30,7 @@ from .expr import ExprError, ExprEvalError, Vars, compile_expr, normalise, renor
 from .expr import Expr
 from .inputs import Paths, conjuncts, merge, paths, pick, unchanged
 from .rulefile import Rule, RuleSet
-from .textbatch import compile_batch, render_batch
+from .textbatch import compile_batch, fill_batch, render_batch
 
 __all__ = [
     "Alert", "AlertState", "EvalError", "Evaluation", "Evaluator", "EvidenceItem",
@@ -275,6 +275,9 @@ class Evaluator:
         self._health_shot: tuple[int, tuple[RuleStatus, ...]] | None = None
         self._probes: dict[str, Expr | None] = {}  # rule name -> _conj_probe
         self._batches: dict[str, Expr | None] = {}  # rule name -> textbatch.compile_batch
+        self._boths: dict[str, Expr | None] = {}  # rule name -> _both
+        # (rule, context, values): the texts' values `_fresh` got with the condition
+        self._ready: tuple[Rule, Vars, Any] | None = None  # rule name -> textbatch.compile_batch
         self._having: set[str] = set()  # the rules with instances as this tick began
         # The last verdict and the alert it was made of: an alert snapshot is a new object only
         # when its state or text changed (_Instance.shot), and so is the verdict then.
@@ -382,6 +385,7 @@ class Evaluator:
         else:
             self._evaluate_changed(plain, same, now, errors, transitions)
         self._restore = {}  # Prometheus restores once, at the first evaluation
+        self._ready = None
         self._note_health(errors)
         alerts = sorted((i.snapshot() for i in self._active.values()),
                         key=lambda a: (self._order[a.rule], sorted(a.labels.items())))
@@ -523,14 +527,29 @@ class Evaluator:
         false its first false conjunct's prefix (`_Memo.prefix`); None when it failed.
 
         A `lean` rule (false last tick, its context holding what its condition reads alone) is
-        most likely false still: its conjuncts one by one, left to right, until one is false
-        (then so is the condition: CEL's `&&`, inputs.conjuncts), instead of the whole
-        condition and then its conjuncts again. Only an error, a non-bool or every conjunct
-        true evaluates the whole condition, as for any rule."""
+        most likely false still: its first false conjunct is looked for first (then so is the
+        condition: CEL's `&&`, inputs.conjuncts), instead of the whole condition and then its
+        conjuncts again. Only an error, a non-bool or every conjunct true evaluates the whole
+        condition, as for any rule.
+
+        Any other rule without labels (true last tick, or new) runs its condition and, if it
+        holds, its texts in one CEL run (`_both`), which `_text` then reads; a failure of
+        either goes the usual way, which says which part failed."""
         reads = self._reads[rule.name]
         prefix = self._first_false(rule, env, data) if lean else None
         if prefix is not None:
             return False, (), env, prefix
+        both = self._both(rule) if not lean and not rule.labels else None
+        if both is not None:
+            try:
+                got = both.evaluate(env)
+            except ExprEvalError:
+                got = None
+            if got is False:
+                return False, (), env, self._first_false(rule, env, data)
+            if type(got) is list:
+                self._ready = (rule, env, got)
+                return True, (), env, None
         try:
             active = rule.condition.evaluate_bool(env)
         except ExprEvalError as exc:
@@ -572,13 +591,34 @@ class Evaluator:
                 return upto, pick(data, upto)
         return _first_false(conj, env, data)
 
-    def _text(self, rule: Rule, env: Vars, errors: list[EvalError]) -> _Text:
-        """The rule's texts: from one CEL run where that runs without error (textbatch.py),
-        else placeholder by placeholder, each failure reported."""
+    def _batch(self, rule: Rule) -> Expr | None:
         if rule.name not in self._batches:
             self._batches[rule.name] = compile_batch(rule)
-        batch = self._batches[rule.name]
-        got = render_batch(rule, batch, env) if batch is not None else None
+        return self._batches[rule.name]
+
+    def _both(self, rule: Rule) -> Expr | None:
+        """`(condition) ? [the texts' values] : false`, compiled once; None without a batch."""
+        if rule.name not in self._boths:
+            batch = self._batch(rule)
+            both = None
+            if batch is not None:
+                try:
+                    both = compile_expr(f"(({rule.condition.source}\n) ? {batch.source} : false)")
+                except ExprError:
+                    both = None
+            self._boths[rule.name] = both
+        return self._boths[rule.name]
+
+    def _text(self, rule: Rule, env: Vars, errors: list[EvalError]) -> _Text:
+        """The rule's texts: from one CEL run where that runs without error (textbatch.py;
+        the values `_fresh` got with the condition, when it did), else placeholder by
+        placeholder, each failure reported."""
+        ready, self._ready = self._ready, None
+        batch = self._batch(rule)
+        if ready is not None and ready[0] is rule and ready[1] is env:
+            got = fill_batch(rule, ready[2])
+        else:
+            got = render_batch(rule, batch, env) if batch is not None else None
         if got is None:
             return _render_text(rule, env, errors)
         summary, evidence, advice, cause = got

@@ -23,7 +23,7 @@ from .expr import Expr, ExprError, ExprEvalError, Vars, compile_expr, format_val
 from .rulefile import Rule
 from .template import Template
 
-__all__ = ["compile_batch", "render_batch"]
+__all__ = ["compile_batch", "fill_batch", "render_batch"]
 
 
 def _items(tpl: Template) -> list[str]:
@@ -67,6 +67,12 @@ def render_batch(rule: Rule, batch: Expr, env: Vars
         values = batch.evaluate(env)
     except ExprEvalError:
         return None
+    return fill_batch(rule, values)
+
+
+def fill_batch(rule: Rule, values: Any
+               ) -> tuple[str, list[tuple[str, str]], list[str], str | None] | None:
+    """render_batch's texts from the values a run of the batch gave."""
     if type(values) is not list:
         return None
     try:
