@@ -618,11 +618,11 @@ def test_a_thread_files_bytes_unchanged_since_the_last_tick_are_not_parsed_again
         probe._kept.read_task_file = counting
         seen = []
         sched = f"/proc/{proc.pid}/task/{proc.pid}/schedstat"
-        for n in range(8):
+        for n in range(8):  # noqa: B007 - read by counting() through the closure
             (p,) = probe.collect().processes
             seen.append(p.threads[0].stack)
-            before = open(sched).read()  # then: it ran since (its schedstat moved)
-            wait_until(lambda: open(sched).read() != before, what="the job to run")
+            before = Path(sched).read_text()  # then: it ran since (its schedstat moved)
+            wait_until(lambda before=before: Path(sched).read_text() != before, what="the job to run")
     # a parse whenever the last tick did not read the same bytes, and only then
     expected, last = 0, {}
     for n, data in reads:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -351,20 +352,20 @@ def test_status_sched_and_io_fast_paths_read_what_the_general_parse_reads():
     statuses, scheds = 0, 0
     for d in [*tasks, *fixtures]:
         try:
-            status = open(f"{d}/status").read()
+            status = Path(f"{d}/status").read_text()
         except OSError:
             continue
         assert procfs._status_fast(status) == procfs._status_general(status), d
         statuses += 1
         try:
-            sched = open(f"{d}/sched").read()
+            sched = Path(f"{d}/sched").read_text()
         except OSError:
             continue
         assert procfs._sched_fast(sched) is not None, sched[:200]
         assert procfs._sched_fast(sched) == _general_sched(sched), d
         scheds += 1
     assert statuses >= 3 and scheds >= 1
-    for io_text in (open(f"/proc/{os.getpid()}/io").read(), text("client", "io")):
+    for io_text in (Path(f"/proc/{os.getpid()}/io").read_text(), text("client", "io")):
         words = io_text.split()
         assert words[0::2] == procfs._IO_KEYS  # the fast path's layout
         assert procfs.parse_io(io_text) == procfs.Io(*map(int, words[1::2]))
@@ -402,7 +403,7 @@ def test_stat_ppid_alone_is_what_the_full_parse_says():
     lines = [text(r, "stat").encode() for r in ("server", "client", "zombie")]
     for pid in [p for p in os.listdir("/proc") if p.isdigit()][:40]:
         try:
-            lines.append(open(f"/proc/{pid}/stat", "rb").read())
+            lines.append(Path(f"/proc/{pid}/stat").read_bytes())
         except OSError:
             pass
     for data in lines:

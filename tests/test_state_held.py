@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -194,7 +194,7 @@ def test_daemon_tick_is_one_transaction_and_status_reads_it(tmp_path: Path) -> N
         stmts = _trace(d.db)
         dumps = runner._verdict_json.dumps
         state = tmp_path / "state"
-        for i in range(4):
+        for _i in range(4):
             stmts.clear()
             d.tick()
             assert _begins(stmts) == 1, stmts  # job row, meta rows, alert memory: together
@@ -213,7 +213,7 @@ def test_daemon_tick_is_one_transaction_and_status_reads_it(tmp_path: Path) -> N
         assert runner._verdict_json.dumps == dumps  # the same verdict: not dumped again
 
         class Sinks:  # the alert dispatcher's health, as Dispatcher.status() gives it
-            doc: dict[str, Any] = {"sinks": [{"name": "ops", "ok": True, "sent": 0}]}
+            doc: ClassVar[dict[str, Any]] = {"sinks": [{"name": "ops", "ok": True, "sent": 0}]}
 
             def status(self) -> dict[str, Any]:
                 return json.loads(json.dumps(self.doc))  # a new object each tick, like the real one

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from rigs import spawned, wait_until
@@ -113,7 +114,7 @@ def test_a_spent_time_budget_sets_off_no_whole_scan_and_a_size_cap_does():
     scan, whose threads are then read one by one outside the walk's batch, would make the next
     tick slower still (seen here at load 20: every such trip was followed by one)."""
     with spawned(["bash", "-c", "sleep 300 & wait"]) as job:
-        wait_until(lambda: open(f"/proc/{job.pid}/task/{job.pid}/children").read().split(), 10)
+        wait_until(lambda: Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split(), 10)
         for kw, whole_scan in ((dict(budget_s=0.0), False), (dict(max_processes=1), True)):
             probe = ProcessesProbe(Target(pids=(job.pid,)), **kw)
             first = probe.collect()

@@ -92,8 +92,8 @@ class Collector:
         handoff to a thread cost more than its work (issue 17)."""
         t0 = self.clock.monotonic()
         probes = [p for p in self.probes() if p is not self.disks]
-        done = {p.name: self._without_worker(p) for p in probes}
-        done = {name: got for name, got in done.items() if got is not None}
+        done: dict[str, tuple[Any, ProbeReport]] = {
+            p.name: got for p in probes if (got := self._without_worker(p)) is not None}
         procs: list[ProcessesObs] = []
         # Held until the processes probe's call ends: a bare lock is the cheapest thing to wait
         # on (an Event makes a Condition and a lock per tick).
@@ -113,9 +113,9 @@ class Collector:
             # the processes probe ran: before this, in the same lane. Handed out of a late lane,
             # this waits for it as long as its deadline, then goes on with the static paths
             # alone, as when the processes probe times out (or is still stuck: not in the batch).
-            if not procs_busy:
-                if procs_ran.acquire(timeout=max(0.0, t0 + self.deadline_s - self.clock.monotonic())):
-                    procs_ran.release()
+            if not procs_busy and procs_ran.acquire(
+                    timeout=max(0.0, t0 + self.deadline_s - self.clock.monotonic())):
+                procs_ran.release()
             self.disks.paths = _disk_paths(self._static_paths, procs[0] if procs else None)
             return self.disks.collect()
 

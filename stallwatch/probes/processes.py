@@ -2,11 +2,11 @@
 
 Each collect() reads the stat (ppid, start time) of the job's tree — found through the kernel's
 per-thread `children` lists, with a scan of every /proc/*/stat at the first look and for --match,
-and a tenth of the host's stat files a collect (processes_tree.py) — resolves the targets, walks their descendants, and reads per process and per
-thread what a stall diagnosis needs: state letter, wait channel, syscall, kernel stack, context
-switches, CPU, I/O counters, open files and TCP sockets. The probe keeps a little state between
-ticks so that rules can stay stateless: how long each task has been in its state, in D, without a
-context switch, and without I/O.
+and a tenth of the host's stat files a collect (processes_tree.py) — resolves the targets, walks
+their descendants, and reads per process and per thread what a stall diagnosis needs: state
+letter, wait channel, syscall, kernel stack, context switches, CPU, I/O counters, open files and
+TCP sockets. The probe keeps a little state between ticks so that rules can stay stateless: how
+long each task has been in its state, in D, without a context switch, and without I/O.
 
 A tick reads only what can have changed (issue 17): every thread's schedstat, kept open and
 re-read with pread (kernel/procfiles.py); stat, wait channel, syscall, stack, status and sched
@@ -486,8 +486,9 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         of it does: a file renamed by another process (a readlink shows the new path), a
         process sharing the table without being a thread (clone CLONE_FILES); the count of
         open fds (/proc/PID/fd's size, Linux >= 6.2), checked every tick, shows at once what
-        such a sharer opens or closes (one stat, on a quiet tick only). A table read without `rows` (the first look, a thread
-        list that changed) is not kept: its threads' schedstat was read after it."""
+        such a sharer opens or closes (one stat, on a quiet tick only). A table read without
+        `rows` (the first look, a thread list that changed) is not kept: its threads' schedstat
+        was read after it."""
         pid, key = st.pid, (st.pid, st.start_ticks)
         fd_dir = self._paths.pid(pid, "fd")
         table = self._tables.get(key)
@@ -567,13 +568,13 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             if path.startswith("/") and not path.startswith("/dev/") else None
             for fd, path in shown)
         if table is not None and table.files and len(infos) == len(table.infos) and all(
-                a is b for a, b in zip(infos, table.infos)):
+                a is b for a, b in zip(infos, table.infos, strict=True)):
             return table.files, table.truncated, sockets
         files = []
-        for (fd, path), info in zip(shown, infos):
+        for (fd, path), info in zip(shown, infos, strict=True):
             write = pos = None
             if info is not None:
-                pos, flags = cast(tuple[int | None, int | None], info)
+                pos, flags = info
                 write = procfs.opened_for_write(flags) if flags is not None else None
             files.append(built(OpenFileObs, {"fd": fd, "path": path, "write": write,
                                              "pos_bytes": pos}))
@@ -604,23 +605,24 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             unix.update(i for i in inodes if i in found)
         if unix.issuperset(inodes):
             return ()
-        table = tick.net.get(ns)
-        if table is None:
-            table = {}
+        socks_by_inode = tick.net.get(ns)
+        if socks_by_inode is None:
+            socks_by_inode = {}
             for name in ("tcp", "tcp6"):
-                socks = self._optional(self._paths.pid(pid, f"net/{name}"), procfs.parse_net_tcp, "net", tick.denied)
-                table.update((sock.inode, sock) for sock in socks or ())
-            tick.net[ns] = table
+                socks = self._optional(self._paths.pid(pid, f"net/{name}"), procfs.parse_net_tcp, "net",
+                                       tick.denied)
+                socks_by_inode.update((sock.inode, sock) for sock in socks or ())
+            tick.net[ns] = socks_by_inode
         if len(tcp) > _MAX_SOCKETS_REMEMBERED:
             tcp.clear()
-        tcp.update(i for i in inodes if i in table)
+        tcp.update(i for i in inodes if i in socks_by_inode)
         return tuple(
             built(SocketObs, dict(
                 fd=fd, local_addr=s.local_addr, local_port=s.local_port,
                 remote_addr=s.remote_addr, remote_port=s.remote_port, state=s.state,
                 tx_queue_bytes=s.tx_queue_bytes, rx_queue_bytes=s.rx_queue_bytes))
             for inode, fd in sorted(inodes.items(), key=lambda kv: kv[1])
-            if (s := table.get(inode)) is not None
+            if (s := socks_by_inode.get(inode)) is not None
         )
 
     # ---------------------------------------------------------------------------------- exits
