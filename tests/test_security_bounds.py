@@ -240,6 +240,16 @@ def test_a_tree_past_the_caps_is_watched_in_part_said_so_and_its_exits_still_see
         tight = ProcessesProbe(_Pids([job.pid]), budget_s=0.0)
         o = tight.collect()
         assert "time budget" in o.truncated and o.watched_processes >= 1, o.truncated
+        # ... counted in the collecting thread's CPU time: a tick whose reads wait for a CPU on a
+        # loaded host (wall time passing, no CPU spent) is not cut short; one that spends it is.
+        idle_cpu = ProcessesProbe(_Pids([job.pid]), budget_s=0.25, cpu_clock=lambda: 0.0)
+        o = idle_cpu.collect()
+        assert o.truncated == "" and o.watched_processes == o.tree_processes >= 30, o.truncated
+        spent: list[float] = []
+        busy_cpu = ProcessesProbe(_Pids([job.pid]), budget_s=0.25,
+                                  cpu_clock=lambda: spent.append(0.1) or sum(spent))
+        o = busy_cpu.collect()
+        assert "time budget" in o.truncated and 1 <= o.watched_processes < o.tree_processes, o.truncated
         # Within the caps: watched fully, no warning.
         full = ProcessesProbe(_Pids([job.pid]))
         o = full.collect()

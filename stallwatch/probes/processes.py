@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, TypeVar, cast
@@ -108,6 +109,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         budget_s: float | None = None,
         match_uid: int | None = None,
         sched_lag_s: Callable[[int], float | None] | None = None,
+        cpu_clock: Callable[[], float] = time.thread_time,
     ) -> None:
         """known_starts pins explicit pids to a start time (a re-attaching daemon knows it), so a
         reused pid is never adopted; known_names is what the caller last knew them by, reported
@@ -136,6 +138,11 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         # Bounds on one job's tree, so that a user who forks thousands of tasks slows only the
         # watch of their own job: see _Caps.
         self.caps = _Caps(max_processes, max_job_threads, budget_s)
+        # budget_s is CPU seconds of the thread that collects, not wall time: on a loaded host a
+        # narrow tree's reads wait for a CPU, and a wall-time budget cut a torchrun job's ranks
+        # out of ticks it did not make wide (the demo's torchrun hang at load 20: 7 of 98 ticks).
+        # A read that blocks costs no CPU: the runner's wall-time deadline bounds that.
+        self._cpu_clock = cpu_clock
         self._wide = False  # the last tick hit a cap: scan /proc, not the per-thread lists
         # --match adopts only processes of this real uid when set: another user's decoy that
         # matches the pattern must not stand in for the job (issue 22 #10).
@@ -233,12 +240,12 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         tree = self._tree(seeds, stats, exclude=self._self_pid)
 
         observed, members = [], {}
-        budget = self.caps.start(self.clock.monotonic())
+        budget = self.caps.start(self._cpu_clock())
         for pid in tree:
             st = stats[pid]
             key = (pid, st.start_ticks)
             role: Role = "target" if self._job.get(pid) == st.start_ticks else "descendant"
-            threads = budget.admit(st.num_threads, self.max_threads, self.clock.monotonic(),
+            threads = budget.admit(st.num_threads, self.max_threads, self._cpu_clock(),
                                    role == "target")
             if threads == 0:
                 # Beyond the caps: what the stat line says is all this tick learns of it, and

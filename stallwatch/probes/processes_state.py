@@ -118,8 +118,8 @@ class _Tick:
 class _Caps:
     """How much of one job's tree a tick examines: at most `processes` processes and `threads`
     threads in all (a process's own `max_threads` still applies), within `budget_s` seconds of
-    the tick's start (None: no time budget). Targets come first in the tree's order, so the
-    job's own processes are always among those examined."""
+    CPU time of the collecting thread from the tick's start (None: no time budget). Targets
+    come first in the tree's order, so the job's own processes are always among those examined."""
 
     processes: int
     threads: int
