@@ -49,16 +49,7 @@ class Roots:
         except OSError as e:
             _raise_mapped(e, path)
         try:
-            # One read(2) of a multi-record seq file (/proc/net/tcp, mountinfo, diskstats)
-            # returns about one page, not the whole file: read until EOF or the limit.
-            chunks, size = [], 0
-            while size < limit:
-                chunk = os.read(fd, min(limit - size, 1 << 16))
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                size += len(chunk)
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            return read_all(fd, limit)
         except OSError as e:
             _raise_mapped(e, path)
         finally:
@@ -95,6 +86,20 @@ class Roots:
             return os.listdir(path)
         except OSError as e:
             _raise_mapped(e, path)
+
+
+def read_all(fd: int, limit: int) -> bytes:
+    """At most `limit` bytes of an open file from offset 0. One read(2) of a multi-record seq
+    file (/proc/net/tcp, mountinfo, diskstats) returns about one page, not the whole file: read
+    on until EOF or the limit; pread, so a descriptor kept open is re-read from its start."""
+    chunks, size = [], 0
+    while size < limit:
+        chunk = os.pread(fd, min(limit - size, 1 << 16), size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _raise_mapped(e: OSError, path: Path | str) -> NoReturn:

@@ -27,7 +27,7 @@ from stallwatch.kernel.diskfs import (
 from stallwatch.model import Frozen
 from stallwatch.probes.base import HANDOFF_SHARE, Call, Lane, ProbeStatus
 from stallwatch.probes.processes_obs import built
-from stallwatch.kernel.roots import DEFAULT_ROOTS, Absent, Denied, Roots
+from stallwatch.kernel.roots import DEFAULT_ROOTS, Absent, Denied, Roots, read_all
 
 M = TypeVar("M", bound=Frozen)
 SHM_PREFIXES = ("sgl_shm",)  # SGLang's leaked sgl_shm_mm_* segments filled /dev/shm (#40723)
@@ -302,7 +302,7 @@ class DisksProbe:
         if self._ds_fd < 0:
             return kproc.diskstats(self.roots)
         try:
-            return _pread_all(self._ds_fd, 16 << 20).decode("utf-8", "replace")
+            return read_all(self._ds_fd, 16 << 20).decode("utf-8", "replace")
         except OSError:
             os.close(self._ds_fd)
             self._ds_fd = None  # opened again next tick
@@ -509,18 +509,6 @@ def _device_io(cur: DiskStat, prev_t: tuple[DiskStat, float] | None, now: float,
         await_ms=(d["read_ms"] + d["write_ms"]) / ios if ios else None,
         busy_pct=min(100.0, d["io_ticks_ms"] / (dt * 1000.0) * 100.0),
     ))
-
-
-def _pread_all(fd: int, limit: int) -> bytes:
-    """The whole of a seq file from offset 0: one read returns about a page, so read on to EOF."""
-    chunks, size = [], 0
-    while size < limit:
-        chunk = os.pread(fd, min(limit - size, 1 << 16), size)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _space(st: os.statvfs_result) -> dict:
