@@ -30,11 +30,14 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import coldcache, detection, gpu_live, gpu_traces, overhead
+from bench import coldcache, detection, gpu_live, gpu_traces, instructions, overhead
 from bench.common import ROOT, dump, loadavg, machine, rnd
 
 # "outputs": growth's outputs-count rows alone (both trees), for a change to that probe only
-SECTIONS = ("overhead", "tick", "growth", "outputs", "detection", "false_positives", "gpu")
+SECTIONS = ("overhead", "tick", "growth", "outputs", "detection", "false_positives", "gpu",
+            "instructions")
+# Asked for by name only: it needs valgrind and runs each process ~50 x slower (bench/instructions.py).
+DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s != "instructions")
 MiB = 1 << 20
 
 MODES: dict[str, dict[str, Any]] = {
@@ -255,6 +258,14 @@ def render(res: dict[str, Any]) -> str:
     if (res.get("overhead") or {}).get("floor_is"):
         parts.append(f"The floor: {res['overhead']['floor_is']}.")
     parts += overhead_tables(res.get("overhead") or {}, "Overhead: watching one healthy job")
+    ins = res.get("instructions") or {}
+    if ins.get("skipped"):
+        parts.append(f"Instructions: {ins['skipped']}.")
+    elif ins.get("rows"):
+        parts.append(table("Instructions per tick (callgrind, user space; cold memory and the kernel left out)",
+                           ["who", "ticks", "Ir per tick", "x floor", "x baseline"],
+                           [[n, r["ticks"], r["ir_per_tick"], r["x_floor"], r.get("x_baseline", "")]
+                            for n, r in ins["rows"].items()]))
     tk = res.get("tick") or {}
     if tk:
         parts.append(table("In-process tick (collector + features + rules), healthy job",
@@ -361,8 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--smoke", action="store_true", help="seconds per section, tiny sizes (CI)")
     g.add_argument("--quick", action="store_true", help="about a quarter of an hour")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON here")
-    ap.add_argument("--sections", default=",".join(SECTIONS),
-                    help=f"comma-separated, from {','.join(SECTIONS)}")
+    ap.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
+                    help=f"comma-separated, from {','.join(SECTIONS)} (default: all but instructions)")
     ap.add_argument("--baseline-src", type=Path, help="a stallwatch source tree to measure beside this one")
     ap.add_argument("--baseline-git", metavar="REV", help="export REV with git archive and use it as the baseline")
     ap.add_argument("--peers-venv", type=Path, default=Path(os.environ.get(
@@ -432,6 +443,11 @@ def main(argv: list[str] | None = None) -> int:
                 calls=P["gpu"]["calls"], overhead_params=P["gpu"].get("overhead"),
                 peers_venv=None if a.no_peers else a.peers_venv, install_peers=a.install_peers,
                 baseline_src=baseline)
+        if "instructions" in want:
+            print("== instructions", flush=True)
+            res["instructions"] = instructions.run(window_s=10.0 if mode == "smoke" else 60.0,
+                                                   warmup_ticks=3 if mode == "smoke" else 10,
+                                                   baseline_src=baseline)
     finally:
         if tmp_base is not None:
             shutil.rmtree(tmp_base, ignore_errors=True)
