@@ -16,6 +16,17 @@ WAIT_SYSCALLS = {"recvfrom", "recvmsg", "recvmmsg", "read", "readv", "poll", "pp
                  "pselect6", "epoll_wait", "epoll_pwait", "epoll_pwait2", "futex"}
 SOCKET_READ_SYSCALLS = {"recvfrom", "recvmsg", "recvmmsg", "read", "readv"}
 
+# How long a job whose progress reached its total may take to exit before the stall rules call
+# it stuck (`job.exit_grace_s`; the rules use it instead of the cadence threshold once
+# `log.complete`). Exiting is not paced by the job's cadence: SpecForge's prepare_hidden_states.py
+# (main, 2026-08) prints "Generation loop finished", waits at a barrier, drains up to
+# --io-queue-size (50) pending torch.save futures ("Finalizing Writes"), shuts its thread pool
+# down, waits at a second barrier and destroys its process groups; a client joins its writer
+# threads and closes its files. Under load that took 24 s (demo5), past the 20 s floor. A rank
+# that never leaves the barrier or the teardown waits --dist-timeout (2000 minutes): two minutes
+# covers every exit seen and still tells the user the same hour, not the next day.
+EXIT_GRACE_S = 120.0
+
 
 # ------------------------------------------------------------------------------------- the job
 
@@ -57,6 +68,7 @@ def _job(snap: Snapshot, procs: list[ProcessObs]) -> dict[str, Any]:
         "cmdline": main.cmdline if main else ((last.cmdline or "") if last else ""),
         "missing": missing,
         "reused": list(po.reused) if po else [],
+        "exit_grace_s": EXIT_GRACE_S,
     }
 
 
