@@ -1,6 +1,6 @@
 """The one place that talks to NVML (nvitop's `libnvml` idea).
 
-Every NVML call in stallwatch goes through `Nvml.call`/`Nvml.query`, so expected failures become
+Every NVML call in stallwatch goes through `Nvml.call`/`Nvml.query`/`Nvml.reader`, so expected failures become
 values: a GPU without ECC answers NotSupported, a container without the right capabilities answers
 NoPermission, a GPU that fell off the bus answers GpuIsLost. None of these may crash or stall a
 watchdog tick. Library-level trouble (no libnvidia-ml.so, driver not loaded, /dev/nvidia* not
@@ -112,6 +112,10 @@ class Nvml:
         self._reason_by_code: dict[int, str] = {}
         # per tuple of versioned names: the one that answered (call_first)
         self._spelling: dict[tuple[str, ...], str] = {}
+        # per tuple of versioned names: a one-element list holding the bound pynvml function a
+        # reader calls, or None until resolved (shutdown() empties them all: see reader())
+        self._bound: dict[tuple[str, ...], list[Any]] = {}
+        self._nvml_error: type | None = None  # the library's NVMLError, once loaded
         self.status: str | None = None  # None until the first init attempt
         self.error: str | None = None
 
@@ -156,6 +160,7 @@ class Nvml:
                 return self._set(NO_LIBRARY, f"pynvml (nvidia-ml-py) is not installed: {e}")
             self._lib = pynvml
         lib = self._lib
+        self._nvml_error = getattr(lib, "NVMLError", None)
         self._reason_by_code = {
             getattr(lib, name): reason for name, reason in _REASON_BY_CONST.items() if hasattr(lib, name)
         }
@@ -178,13 +183,16 @@ class Nvml:
                 self.call("nvmlShutdown")
             self.status, self._tried_mono = None, None
             self._spelling.clear()  # a later init may meet another driver
+            for cell in self._bound.values():
+                cell[0] = None
 
     # -- calls --------------------------------------------------------------------------------
 
     def reason(self, e: BaseException) -> str:
         """A short, stable name for why a call failed."""
-        lib = self._lib
-        nvml_error = getattr(lib, "NVMLError", None) if lib is not None else None
+        nvml_error = self._nvml_error
+        if nvml_error is None and self._lib is not None:
+            nvml_error = getattr(self._lib, "NVMLError", None)
         if nvml_error is not None and isinstance(e, nvml_error):
             code = getattr(e, "value", None)
             return (self._reason_by_code.get(code, f"nvml_error_{code}") if isinstance(code, int)
@@ -236,6 +244,42 @@ class Nvml:
                                   names[0], name)
                 return out
         return out
+
+    def reader(self, names: str | Sequence[str]) -> Callable[..., Any]:
+        """A bound read of one NVML function (newest spelling first, as call_first): calling it
+        returns the value itself, or an `Outcome` (NA, reason) when the call gave none.
+
+        For the reads the gpu probe makes every tick (issue 17): once the spelling is resolved,
+        one Python frame around the pynvml function instead of call_first, call, init (twice),
+        text and an Outcome per read. Everything that is not the common case (not initialised,
+        after shutdown, a failure, a spelling that went missing) goes through call_first, so
+        the errors and fallbacks are the same as there. Tell a failure by
+        `value.__class__ is Outcome`: no pynvml function returns one.
+        """
+        key = (names,) if isinstance(names, str) else tuple(names)
+        cell = self._bound.setdefault(key, [None])
+
+        def read(*args: Any) -> Any:
+            f = cell[0]
+            if f is None or self.status != OK:
+                return self._read_slow(key, cell, args)
+            try:
+                value = f(*args)
+            except Exception as e:  # noqa: BLE001 - the choke point lets nothing out
+                reason = self.reason(e)
+                if reason in _MISSING:  # the remembered spelling went missing: the others, in order
+                    return self._read_slow(key, cell, args)
+                return Outcome(NA, reason)
+            return value.decode("utf-8", "replace") if value.__class__ is bytes else value
+
+        return read
+
+    def _read_slow(self, key: tuple[str, ...], cell: list[Any], args: tuple[Any, ...]) -> Any:
+        out = self.call_first(key, *args)
+        name = self._spelling.get(key)
+        # Bound only while the session is up: shutdown() clears the cell again.
+        cell[0] = getattr(self._lib, name, None) if name is not None and self.status == OK else None
+        return out.value if out.reason is None else out
 
     def query(self, fn: str | Callable[..., Any], *args: Any, default: Any = NA) -> Any:
         out = self.call(fn, *args)

@@ -25,8 +25,9 @@ from pydantic import Field
 
 from stallwatch.clock import Clock, SYSTEM_CLOCK
 from stallwatch.model import Frozen
-from stallwatch.kernel.nvml import LOST_REASONS, OK, Nvml, default_nvml, describe
+from stallwatch.kernel.nvml import LOST_REASONS, OK, Nvml, Outcome, default_nvml, describe
 from stallwatch.probes.base import ProbeStatus
+from stallwatch.probes.processes_obs import built
 
 # ---------------------------------------------------------------------------------------------
 # Observations (written to JSONL traces and replayed: plain JSON types only)
@@ -172,6 +173,52 @@ class _Lost(Exception):
     pass
 
 
+# An attribute of a pynvml ctypes structure without pynvml's Python-level __getattribute__ (it
+# only turns bytes into str): a C call instead of a frame, for the numbers read every tick.
+_oga = object.__getattribute__
+
+
+def _process_obs(rows: list[tuple[str, Any, Any, Any, Any]], i: int) -> list[GpuProcessObs]:
+    """(kind, pid, bytes, gpu instance, compute instance) rows of NVML's process lists -> one
+    observation per pid. A process with both a compute and a graphics context is listed twice
+    with the same figure; under MIG a pid may hold memory in several instances, which add up."""
+    seen: dict[tuple[int, Any, Any], list[Any]] = {}
+    for kind, pid, used, gi, ci in rows:
+        if used is not None and used >= 1 << 63:  # NVML_VALUE_NOT_AVAILABLE in old pynvml
+            used = None
+        entry = seen.setdefault((int(pid), gi, ci), [set(), None])
+        entry[0].add(kind)
+        if used is not None:
+            entry[1] = used if entry[1] is None else max(entry[1], used)
+    by_pid: dict[int, list[Any]] = {}
+    for (pid, _gi, _ci), (kinds, used) in seen.items():
+        agg = by_pid.setdefault(pid, [set(), None])
+        agg[0] |= kinds
+        if used is not None:
+            agg[1] = used if agg[1] is None else agg[1] + used
+    return [GpuProcessObs(pid=pid, gpu_index=i, kind="+".join(sorted(kinds)), used_bytes=used)
+            for pid, (kinds, used) in sorted(by_pid.items())]
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """The fast path's readers (Nvml.reader) and the library's constants, bound once."""
+    util: Any
+    mem: Any
+    mem_v2: Any
+    procs: tuple[tuple[str, str, Any], ...]  # (kind, errors key, reader)
+    pm: Any
+    enabled: Any
+    clocks: Any
+    ecc_read: Any
+    ecc: tuple[tuple[str, str, Any, Any], ...]  # (errors key, field, error type, counter type)
+    temp: Any
+    temp_gpu: Any
+    power: Any
+    pstate: Any
+    clock_names: dict[int, tuple[str, ...]] = field(default_factory=dict)  # mask -> decoded
+
+
 @dataclass
 class _Device:
     handle: Any
@@ -183,6 +230,11 @@ class _Device:
     unsupported: dict[str, str] = field(default_factory=dict)  # signal -> permanent reason
     proc_util_since_us: int = 0
     slow: dict[str, Any] = field(default_factory=dict)  # last slow-path sample
+    # Last tick's, to hand on the same objects while nothing read changed (issue 17):
+    # (what was read, the processes, the slow sample, the observation)
+    last: tuple[tuple[Any, ...], Any, Any, GpuDeviceObs] | None = None
+    procs: tuple[list[Any], list[GpuProcessObs]] | None = None  # (NVML's rows, observations)
+    procs_util: tuple[Any, Any, list[GpuProcessObs]] | None = None  # (procs, sample, joined)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,6 +266,11 @@ class GpuProbe:
         self._seq = 0
         self._drain_error: str | None = None
         self._last: GpuObs | None = None  # what collect() returned last
+        self._readers: dict[str | tuple[str, ...], Any] = {}  # Nvml.reader per function names
+        self._k: _Bound | None = None
+        # Some device has events registered (any; Xid): None until asked for this set of devices.
+        self._events_on: bool | None = None
+        self._xid_on: bool | None = None
 
     def cannot_block(self) -> bool:
         """No NVML (no library, no driver) and no retry due: collect() makes no driver call, so
@@ -256,21 +313,22 @@ class GpuProbe:
             if self._event_set is not None:
                 self.nvml.call("nvmlEventSetFree", self._event_set)
             self._event_set, self._devices, self._by_handle = None, {}, {}
+            self._events_on = self._xid_on = None
 
     # -- one tick -------------------------------------------------------------------------------
 
     def _collect(self, now: float) -> GpuObs:
         nv = self.nvml
         status = nv.init()
-        if (last := self._last) is not None and self._still(last, status):
-            return last  # nothing new: the same object, so what is built from it can be reused
         if status != OK:
+            if (last := self._last) is not None and self._still(last, status):
+                return last  # nothing new: the same object, so what is built from it can be reused
             return GpuObs(status=ProbeStatus(status), error=nv.error, collected_at=now,
                           xid_events=list(self._events), xid_events_total=self._seq)
         if self._system is None:
             self._system = self._system_info()
-        count = nv.call("nvmlDeviceGetCount")
-        if not count.ok:
+        count = self._reader("nvmlDeviceGetCount")()
+        if count.__class__ is Outcome:
             return GpuObs(status=ProbeStatus.error, error=f"nvmlDeviceGetCount: {count.reason}",
                           collected_at=now, **self._system)
         if self._event_set is None and self._event_set_error is None:
@@ -280,18 +338,19 @@ class GpuProbe:
         slow = self._slow_every_s is not None and math.isfinite(self._slow_every_s) and (
             self._slow_mono is None or mono - self._slow_mono >= self._slow_every_s)
         inline = slow and not self._slow_background
-        devices = [self._device(i, inline, now) for i in range(count.value)]
+        devices = [self._device(i, inline, now) for i in range(count)]
         if slow:
             self._slow_mono = mono
             if self._slow_background:
                 self._start_slow()
         self._drain(now)
-        return GpuObs(
-            status=ProbeStatus.ok, device_count=count.value, devices=devices,
-            xid_events=list(self._events),
-            xid_events_total=self._seq, xid_watch=self._xid_watch(), collected_at=now,
-            **self._system,
-        )
+        # Unvalidated (probes/processes_obs.built): our own typed values, a 30-field model
+        # validated every tick cost more than the NVML calls (issue 17).
+        return built(GpuObs, {
+            "status": ProbeStatus.ok, **self._system, "device_count": count, "devices": devices,
+            "xid_events": list(self._events), "xid_events_total": self._seq,
+            "xid_watch": self._xid_watch(), "error": None, "collected_at": now,
+        })
 
     def _start_slow(self) -> None:
         t = self._slow_thread
@@ -322,7 +381,9 @@ class GpuProbe:
         }
 
     def _xid_watch(self) -> str:
-        if any("xid" in d.event_types for d in self._devices.values()):
+        if self._xid_on is None:  # once per set of devices, not every tick
+            self._xid_on = any("xid" in d.event_types for d in self._devices.values())
+        if self._xid_on:
             return "on" if self._drain_error is None else f"on (last wait: {self._drain_error})"
         if self._event_set_error:
             return f"off: nvmlEventSetCreate {self._event_set_error}"
@@ -340,29 +401,65 @@ class GpuProbe:
                 return GpuDeviceObs(index=i, lost=h.reason in LOST_REASONS, errors={"handle": h.failure})
             dev = self._devices[i] = _Device(handle=h.value)
             self._register_events(i, dev)
+            self._events_on = self._xid_on = None  # the set of devices changed
         fields: dict[str, Any] = {}
         lost = False
         try:
-            self._identity(dev, errors)
+            if dev.uuid is None or dev.name is None or dev.pci_bus_id is None:
+                self._identity(dev, errors)
             self._fast(dev, i, errors, fields)
             if slow:
                 self._slow(dev, errors, now)
         except _Lost:
             lost = True
+        sample = dev.slow  # once: the background slow path may replace it meanwhile
         procs = fields.pop("processes", None)
-        if not slow:
-            for k, v in dev.slow.get("errors", {}).items():  # the carried sample's gaps
+        if not slow and sample:
+            for k, v in sample.get("errors", {}).items():  # the carried sample's gaps
                 errors.setdefault(k, v)
         if procs is not None:
-            util = dev.slow.get("proc_util", {})
-            procs = [p.model_copy(update=dict(zip(("sm_util_pct", "mem_util_pct"), util[p.pid], strict=True)))
-                     if p.pid in util else p for p in procs]
-        return GpuDeviceObs(
-            index=i, uuid=dev.uuid, name=dev.name, pci_bus_id=dev.pci_bus_id, lost=lost,
-            processes=procs, event_types=list(dev.event_types), errors=errors,
-            pcie_tx_bytes_per_s=dev.slow.get("pcie_tx"), pcie_rx_bytes_per_s=dev.slow.get("pcie_rx"),
-            slow_sampled_at=dev.slow.get("at"), **fields,
-        )
+            procs = self._with_util(dev, procs, sample)
+        # Every value read the same as last tick (an idle GPU, a steady one): the very same
+        # observation, so nothing is built for it here or downstream (issue 17).
+        key = (lost, dev.uuid, dev.name, dev.pci_bus_id, fields, errors)
+        last = dev.last
+        if last is not None and last[1] is procs and last[2] is sample and last[0] == key:
+            return last[3]
+        obs = built(GpuDeviceObs, {
+            "index": i, "uuid": dev.uuid, "name": dev.name, "pci_bus_id": dev.pci_bus_id, "lost": lost,
+            "util_gpu_pct": None, "util_mem_pct": None, "mem_total_bytes": None,
+            "mem_used_bytes": None, "mem_free_bytes": None, "mem_reserved_bytes": None,
+            "processes": procs, "persistence_mode": None, "clock_event_reasons": None,
+            "ecc_volatile_uncorrected": None, "ecc_volatile_corrected": None,
+            "ecc_aggregate_uncorrected": None, "ecc_aggregate_corrected": None,
+            "temperature_c": None, "power_w": None, "pstate": None,
+            "pcie_tx_bytes_per_s": sample.get("pcie_tx"), "pcie_rx_bytes_per_s": sample.get("pcie_rx"),
+            "slow_sampled_at": sample.get("at"), "event_types": list(dev.event_types), "errors": errors,
+            **fields,
+        })
+        dev.last = (key, procs, sample, obs)
+        return obs
+
+    def _with_util(self, dev: _Device, procs: list[GpuProcessObs], sample: dict[str, Any]) -> list[GpuProcessObs]:
+        """The processes with the slow path's per-process utilisation; the same list while
+        neither changed."""
+        memo = dev.procs_util
+        if memo is not None and memo[0] is procs and memo[1] is sample:
+            return memo[2]
+        util = sample.get("proc_util", {})
+        out = [p.model_copy(update=dict(zip(("sm_util_pct", "mem_util_pct"), util[p.pid], strict=True)))
+               if p.pid in util else p for p in procs]
+        dev.procs_util = (procs, sample, out)
+        return out
+
+    def _failed(self, dev: _Device, errors: dict[str, str], key: str, out: Outcome) -> None:
+        """A read of `key` gave no value: say why, remember a permanent answer, and stop at a
+        GPU that is gone (each further call could block as long as this one did)."""
+        errors[key] = out.failure
+        if out.reason in _PERMANENT:
+            dev.unsupported[key] = out.failure
+        if out.reason == "gpu_lost" or (key in _CORE and out.reason in LOST_REASONS):
+            raise _Lost
 
     def _read(self, dev: _Device, errors: dict[str, str], key: str, fns: str | tuple[str, ...],
               *args: Any) -> Any:
@@ -370,17 +467,17 @@ class GpuProbe:
         if key in dev.unsupported:
             errors[key] = dev.unsupported[key]
             return None
-        names = (fns,) if isinstance(fns, str) else fns
-        out = self.nvml.call_first(names, dev.handle, *args)
-        if out.ok:
-            return out.value
-        errors[key] = out.failure
-        if out.reason in _PERMANENT:
-            dev.unsupported[key] = out.failure
-        # Stop asking a dead GPU: each further call could block as long as this one did.
-        if out.reason == "gpu_lost" or (key in _CORE and out.reason in LOST_REASONS):
-            raise _Lost
-        return None
+        v = self._reader(fns)(dev.handle, *args)
+        if v.__class__ is Outcome:
+            self._failed(dev, errors, key, v)
+            return None
+        return v
+
+    def _reader(self, fns: str | tuple[str, ...]) -> Any:
+        rd = self._readers.get(fns)
+        if rd is None:
+            rd = self._readers[fns] = self.nvml.reader(fns)
+        return rd
 
     def _identity(self, dev: _Device, errors: dict[str, str]) -> None:
         # Identity never changes for a handle: read until it succeeds, then never again.
@@ -395,44 +492,94 @@ class GpuProbe:
                 dev.pci_bus_id = bus.decode() if isinstance(bus, bytes) else bus
 
     def _fast(self, dev: _Device, i: int, errors: dict[str, str], f: dict[str, Any]) -> None:
-        lib = self.nvml.lib
-        util = self._read(dev, errors, "utilization", "nvmlDeviceGetUtilizationRates")
-        if util is not None:
-            f["util_gpu_pct"], f["util_mem_pct"] = int(util.gpu), int(util.memory)
-        self._memory(dev, errors, f)
-        f["processes"] = self._processes(dev, i, errors)
-        pm = self._read(dev, errors, "persistence_mode", "nvmlDeviceGetPersistenceMode")
-        if pm is not None:
-            f["persistence_mode"] = pm == getattr(lib, "NVML_FEATURE_ENABLED", 1)
-        mask = self._read(dev, errors, "clock_event_reasons", _CLOCK_FNS)
-        if mask is not None:
-            f["clock_event_reasons"] = decode_clock_reasons(lib, int(mask))
+        """The reads of every tick, in a fixed order (the order of `errors`, which traces and
+        `diagnose` JSON keep). Straight-line on purpose, one bound reader per NVML function
+        (Nvml.reader) and the failure handling out of line (_failed): this runs 13 NVML calls
+        a GPU a tick, and the frames around them were half the probe's cost (issue 17)."""
+        k = self._k
+        if k is None:
+            k = self._k = self._bind()
+        h, unsup = dev.handle, dev.unsupported
+        if "utilization" in unsup:
+            errors["utilization"] = unsup["utilization"]
+        elif (v := k.util(h)).__class__ is Outcome:
+            self._failed(dev, errors, "utilization", v)
+        else:  # past pynvml's Python __getattribute__ (it only decodes bytes): ints here
+            f["util_gpu_pct"], f["util_mem_pct"] = int(_oga(v, "gpu")), int(_oga(v, "memory"))
+        self._memory(dev, errors, f, k)
+        f["processes"] = self._processes(dev, i, errors, k)
+        if "persistence_mode" in unsup:
+            errors["persistence_mode"] = unsup["persistence_mode"]
+        elif (v := k.pm(h)).__class__ is Outcome:
+            self._failed(dev, errors, "persistence_mode", v)
+        else:
+            f["persistence_mode"] = v == k.enabled
+        if "clock_event_reasons" in unsup:
+            errors["clock_event_reasons"] = unsup["clock_event_reasons"]
+        elif (v := k.clocks(h)).__class__ is Outcome:
+            self._failed(dev, errors, "clock_event_reasons", v)
+        else:
+            mask = int(v)
+            names = k.clock_names.get(mask)
+            if names is None:
+                names = k.clock_names[mask] = tuple(decode_clock_reasons(self.nvml.lib, mask))
+            f["clock_event_reasons"] = list(names)
+        # One key per counter type: when one ECC read is unsupported, its sibling is too.
+        for key, name, etype, counter in k.ecc:
+            if key in unsup:
+                errors[key] = unsup[key]
+            elif (v := k.ecc_read(h, etype, counter)).__class__ is Outcome:
+                self._failed(dev, errors, key, v)
+            else:
+                f[name] = int(v)
+        if "temperature" in unsup:
+            errors["temperature"] = unsup["temperature"]
+        elif (v := k.temp(h, k.temp_gpu)).__class__ is Outcome:
+            self._failed(dev, errors, "temperature", v)
+        else:
+            f["temperature_c"] = int(v)
+        if "power" in unsup:
+            errors["power"] = unsup["power"]
+        elif (v := k.power(h)).__class__ is Outcome:
+            self._failed(dev, errors, "power", v)
+        else:  # mW: an int's quotient is already round(., 3) (checked for 0-3 kW), round is not free
+            f["power_w"] = v / 1000.0 if v.__class__ is int else round(v / 1000.0, 3)
+        if "pstate" in unsup:
+            errors["pstate"] = unsup["pstate"]
+        elif (v := k.pstate(h)).__class__ is Outcome:
+            self._failed(dev, errors, "pstate", v)
+        elif 0 <= v <= 15:
+            f["pstate"] = int(v)
+
+    def _bind(self) -> _Bound:
+        """The readers and constants of the fast path, once per probe (the library is loaded)."""
+        lib, rd = self.nvml.lib, self._reader
+        ecc = []
         for counter, cname in (("volatile", "NVML_VOLATILE_ECC"), ("aggregate", "NVML_AGGREGATE_ECC")):
             for etype, ename in (("uncorrected", "NVML_MEMORY_ERROR_TYPE_UNCORRECTED"),
                                  ("corrected", "NVML_MEMORY_ERROR_TYPE_CORRECTED")):
-                # One key per counter type: when one ECC read is unsupported, its sibling is too.
-                v = self._read(dev, errors, f"ecc_{counter}", "nvmlDeviceGetTotalEccErrors",
-                               getattr(lib, ename), getattr(lib, cname))
-                if v is not None:
-                    f[f"ecc_{counter}_{etype}"] = int(v)
-        temp = self._read(dev, errors, "temperature", _TEMP_FNS, getattr(lib, "NVML_TEMPERATURE_GPU", 0))
-        if temp is not None:
-            f["temperature_c"] = int(temp)
-        mw = self._read(dev, errors, "power", "nvmlDeviceGetPowerUsage")
-        if mw is not None:
-            f["power_w"] = round(mw / 1000.0, 3)
-        ps = self._read(dev, errors, "pstate", "nvmlDeviceGetPerformanceState")
-        if ps is not None and 0 <= ps <= 15:
-            f["pstate"] = int(ps)
+                ecc.append((f"ecc_{counter}", f"ecc_{counter}_{etype}", getattr(lib, ename),
+                            getattr(lib, cname)))
+        return _Bound(
+            util=rd("nvmlDeviceGetUtilizationRates"), mem=rd("nvmlDeviceGetMemoryInfo"),
+            mem_v2=self.nvml.const("nvmlMemory_v2"),
+            procs=(("compute", "processes_compute", rd(_COMPUTE_PROCS)),
+                   ("graphics", "processes_graphics", rd(_GRAPHICS_PROCS))),
+            pm=rd("nvmlDeviceGetPersistenceMode"),
+            enabled=getattr(lib, "NVML_FEATURE_ENABLED", 1), clocks=rd(_CLOCK_FNS),
+            ecc_read=rd("nvmlDeviceGetTotalEccErrors"), ecc=tuple(ecc), temp=rd(_TEMP_FNS),
+            temp_gpu=getattr(lib, "NVML_TEMPERATURE_GPU", 0), power=rd("nvmlDeviceGetPowerUsage"),
+            pstate=rd("nvmlDeviceGetPerformanceState"),
+        )
 
-    def _memory(self, dev: _Device, errors: dict[str, str], f: dict[str, Any]) -> None:
+    def _memory(self, dev: _Device, errors: dict[str, str], f: dict[str, Any], k: _Bound) -> None:
         # v2 separates driver-reserved memory from `used`; fall back to v1 on older drivers.
-        v2 = self.nvml.const("nvmlMemory_v2")
+        v2 = k.mem_v2
         mem = None
         if v2 is not None and "memory_v2" not in dev.unsupported:
-            out = self.nvml.call("nvmlDeviceGetMemoryInfo", dev.handle, v2)
-            if out.ok:
-                mem = out.value
+            out = k.mem(dev.handle, v2)
+            if out.__class__ is not Outcome:
+                mem = out
             elif out.reason in LOST_REASONS:
                 errors["memory"] = out.failure
                 raise _Lost
@@ -442,42 +589,36 @@ class GpuProbe:
             mem = self._read(dev, errors, "memory", "nvmlDeviceGetMemoryInfo")
         if mem is not None:
             f["mem_total_bytes"], f["mem_used_bytes"], f["mem_free_bytes"] = (
-                int(mem.total), int(mem.used), int(mem.free))
+                int(_oga(mem, "total")), int(_oga(mem, "used")), int(_oga(mem, "free")))
             if hasattr(mem, "reserved"):
-                f["mem_reserved_bytes"] = int(mem.reserved)
+                f["mem_reserved_bytes"] = int(_oga(mem, "reserved"))
 
-    def _processes(self, dev: _Device, i: int, errors: dict[str, str]) -> list[GpuProcessObs] | None:
-        # (pid, gpu instance, compute instance) -> [kinds, bytes]: a process with both a compute
-        # and a graphics context is listed twice with the same figure; under MIG a pid may hold
-        # memory in several instances, which add up.
-        seen: dict[tuple[int, Any, Any], list[Any]] = {}
+    def _processes(self, dev: _Device, i: int, errors: dict[str, str], k: _Bound) -> list[GpuProcessObs] | None:
+        rows: list[tuple[str, Any, Any, Any, Any]] = []
         known = True
-        for kind, fns in (("compute", _COMPUTE_PROCS), ("graphics", _GRAPHICS_PROCS)):
-            key = f"processes_{kind}"
-            lst = self._read(dev, errors, key, fns)
+        for kind, key, rd in k.procs:
+            if key in dev.unsupported:
+                errors[key] = dev.unsupported[key]
+                lst = None
+            elif (lst := rd(dev.handle)).__class__ is Outcome:
+                self._failed(dev, errors, key, lst)
+                lst = None
             if lst is None:
                 if errors.get(key) != "not_supported":
-                    known = False
+                    known = False  # unknown, not "no processes"
                 continue
             for p in lst:
-                used = getattr(p, "usedGpuMemory", None)
-                if used is not None and used >= 1 << 63:  # NVML_VALUE_NOT_AVAILABLE in old pynvml
-                    used = None
-                k = (int(p.pid), getattr(p, "gpuInstanceId", None), getattr(p, "computeInstanceId", None))
-                entry = seen.setdefault(k, [set(), None])
-                entry[0].add(kind)
-                if used is not None:
-                    entry[1] = used if entry[1] is None else max(entry[1], used)
+                rows.append((kind, p.pid, getattr(p, "usedGpuMemory", None),
+                             getattr(p, "gpuInstanceId", None), getattr(p, "computeInstanceId", None)))
         if not known:
             return None
-        by_pid: dict[int, list[Any]] = {}
-        for (pid, _gi, _ci), (kinds, used) in seen.items():
-            agg = by_pid.setdefault(pid, [set(), None])
-            agg[0] |= kinds
-            if used is not None:
-                agg[1] = used if agg[1] is None else agg[1] + used
-        return [GpuProcessObs(pid=pid, gpu_index=i, kind="+".join(sorted(kinds)), used_bytes=used)
-                for pid, (kinds, used) in sorted(by_pid.items())]
+        # The same rows as last tick: the same list of observations (issue 17).
+        memo = dev.procs
+        if memo is not None and memo[0] == rows:
+            return memo[1]
+        out = _process_obs(rows, i)
+        dev.procs = (rows, out)
+        return out
 
     def _slow(self, dev: _Device, errors: dict[str, str], now: float) -> None:
         sample: dict[str, Any] = {"at": now, "errors": {}}
@@ -537,17 +678,19 @@ class GpuProbe:
         self._by_handle[_handle_key(dev.handle)] = i
 
     def _drain(self, now: float) -> None:
-        if self._event_set is None or not any(d.event_types for d in self._devices.values()):
+        if self._events_on is None:  # once per set of devices, not every tick
+            self._events_on = any(d.event_types for d in self._devices.values())
+        if self._event_set is None or not self._events_on:
             return
         self._drain_error = None
+        wait = self._reader(_WAIT_FNS)
         for _ in range(_MAX_DRAIN):
-            out = self.nvml.call_first(_WAIT_FNS, self._event_set, 0)  # 0 ms: never block the tick
-            if out.reason == "timeout":
+            out = wait(self._event_set, 0)  # 0 ms: never block the tick
+            if out.__class__ is Outcome:
+                if out.reason != "timeout":
+                    self._drain_error = out.reason
                 return
-            if not out.ok:
-                self._drain_error = out.reason
-                return
-            self._record(out.value, now)
+            self._record(out, now)
 
     def _record(self, data: Any, now: float) -> None:
         idx = self._by_handle.get(_handle_key(data.device))
