@@ -16,7 +16,7 @@ import pynvml
 import pytest
 
 from stallwatch.clock import FakeClock
-from stallwatch.kernel.nvml import NA, Nvml, default_nvml
+from stallwatch.kernel.nvml import NA, Nvml, Outcome, default_nvml
 from stallwatch.probes.gpu import GpuObs, GpuProbe, decode_clock_reasons, gpu_pids
 
 from fakes import GiB, FakeGpu, FakeNvml
@@ -526,3 +526,91 @@ def test_without_nvml_the_same_observation_is_handed_on_until_a_retry_is_due():
     lib.init_error = None  # the driver gets loaded: every tick a new observation
     ok = probe.collect()
     assert ok.status == "ok" and not probe.unchanged() and probe.collect() is not ok
+
+
+# ---------------------------------------------------------------------------------------------
+# (3) the fast path's reuse (issue 17): fewer frames and objects, the same answers
+
+
+def test_reader_returns_values_and_failures_as_call_first_does(caplog):
+    lib = FakeNvml([FakeGpu(uuid="GPU-1", name=b"old bytes", compute=[(7, GiB, 0, 0)], fail={
+        "nvmlDeviceGetComputeRunningProcesses_v3": pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
+        "nvmlDeviceGetPowerUsage": pynvml.NVML_ERROR_NO_PERMISSION})])
+    nv = Nvml(lib=lib)
+    procs = nv.reader(("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2"))
+    name, power = nv.reader("nvmlDeviceGetName"), nv.reader("nvmlDeviceGetPowerUsage")
+    h = lib.handles[0]
+    with caplog.at_level("INFO", logger="stallwatch.kernel.nvml"):
+        for _ in range(3):  # the first call initialises the session and resolves the spelling
+            assert [p.pid for p in procs(h)] == [7]
+            assert name(h) == "old bytes"  # bytes from an older pynvml: str, as call() gives
+            out = power(h)
+            assert out.__class__ is Outcome and (out.value, out.reason) == (NA, "no_permission")
+    assert lib.init_calls == 1
+    assert lib.calls["nvmlDeviceGetComputeRunningProcesses_v3"] == 1  # then the bound _v2 only
+    assert lib.calls["nvmlDeviceGetComputeRunningProcesses_v2"] == 3
+    assert sum("_v3 is not in this pynvml" in r.getMessage() for r in caplog.records) == 1
+    # A bound spelling that goes missing falls through to the next one, as call_first does.
+    lib.gpus[0].fail = {"nvmlDeviceGetComputeRunningProcesses_v2": pynvml.NVML_ERROR_FUNCTION_NOT_FOUND}
+    assert [p.pid for p in procs(h)] == [7]
+    assert lib.calls["nvmlDeviceGetComputeRunningProcesses_v3"] == 2
+    nv.shutdown()  # a new session may meet another driver: resolved (and initialised) again
+    assert [p.pid for p in procs(h)] == [7] and lib.init_calls == 2
+    assert nv.reader("nvmlNoSuchFunction")(h).reason == "missing_in_pynvml"
+    lib.init_error = pynvml.NVML_ERROR_DRIVER_NOT_LOADED
+    nv.shutdown()
+    assert name(h).reason == "no_driver"  # not initialised: a status, never a call
+    assert lib.calls["nvmlDeviceGetName"] == 3
+
+
+def test_reader_lets_no_exception_out():
+    nv = Nvml(lib=four_gpus())
+    for failure in _FAILURES:
+        def f(*args, e=failure):
+            raise pynvml.NVMLError(e) if isinstance(e, int) else e
+        nv._lib.nvmlDeviceGetPowerUsage = f
+        nv._bound.clear()
+        read = nv.reader("nvmlDeviceGetPowerUsage")
+        for _ in range(2):  # resolving the spelling, then the bound function
+            out = read(nv.lib.handles[0])
+            assert out.__class__ is Outcome and out.value is NA and out.reason, failure
+
+
+def test_unchanged_devices_are_handed_on_and_changed_ones_built_anew():
+    lib = four_gpus()
+    clock = FakeClock()
+    probe = probe_for(lib, clock, slow_every_s=10.0)
+    first = probe.collect()
+    clock.advance(1)
+    second = probe.collect()  # not a slow tick: it carries the first tick's slow sample
+    clock.advance(1)
+    third = probe.collect()
+    assert third is not second and third.collected_at == second.collected_at + 1
+    # GPU 3 has no handle: asked again every tick, answered anew
+    assert [a is b for a, b in zip(second.devices, third.devices, strict=True)] == [True, True, True, False]
+    lib.gpus[0].util = (3, 4)
+    lib.gpus[2].compute.append((301, GiB, 1, 0))
+    clock.advance(1)
+    fourth = probe.collect()
+    assert [d is e for d, e in zip(third.devices, fourth.devices, strict=True)] == [False, True, False, False]
+    assert fourth.devices[0].util_gpu_pct == 3 and fourth.devices[0].processes is third.devices[0].processes
+    assert [p.pid for p in fourth.devices[2].processes] == [300, 301]
+    clock.advance(10)  # a slow tick: a new sample, new observations
+    fifth = probe.collect()
+    assert fifth.devices[0] is not fourth.devices[0] and fifth.devices[0].slow_sampled_at == fifth.collected_at
+    assert first.devices[0] is second.devices[0]  # the slow sample carried: nothing changed
+
+
+def test_observations_built_without_validation_are_what_validation_gives():
+    """GpuObs and GpuDeviceObs are built from the probe's own typed values (issue 17): each
+    field must already have the type validation would give it, in the declared order."""
+    lib = four_gpus()
+    lib.queue_event(0, pynvml.nvmlEventTypeXidCriticalError, 79)
+    probe = probe_for(lib)
+    for obs in (probe.collect(), probe.collect()):
+        for m in (obs, *obs.devices, *(p for d in obs.devices for p in d.processes or ())):
+            again = type(m).model_validate(m.model_dump())
+            assert list(m.__dict__) == list(type(m).model_fields)
+            assert m.model_dump_json() == again.model_dump_json()
+            for k, v in m.__dict__.items():
+                assert type(v) is type(getattr(again, k)), (type(m).__name__, k, v)
