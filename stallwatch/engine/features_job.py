@@ -298,13 +298,31 @@ def _rank_trouble(p: ProcessObs, log_path: str, others_cpu: float,
     writing = [f for f in p.open_files if f.write and f.fd > 2 and f.path.startswith("/")
                and not f.path.startswith(("/dev/", "/proc/", "/sys/")) and f.path != log_path
                and not f.path.endswith((".log", ".txt", ".out"))]
-    if writing and all(t.state == "S" for t in threads):
+    # A timer thread (tqdm's monitor, a watchdog) is caught runnable now and then, for a moment:
+    # it does not make the others' sleep any less a stop, nor the file any less half-written.
+    woke = sum(1 for t in threads if t.state == "R" and _woke_for_a_moment(t)) if writing else 0
+    if writing and sum(1 for t in threads if t.state == "S") + woke == len(threads) > woke:
         f = writing[0]
         futex = sum(1 for t in threads if t.syscall == "futex")
         lock = f" ({futex} in futex waits: a lock or a condition)" if futex else ""
+        blip = (f", but for {woke} woken for a moment (a timer thread, like tqdm's monitor)"
+                if woke else "")
         return 3, (f"holds {f.path} open for writing, half-written ({f.pos_bytes} bytes), "
-                   f"and every thread sleeps{lock}")
+                   f"and every thread sleeps{lock}{blip}")
     return 0, ""
+
+
+# CPU a thread caught runnable may have used since the last tick and still count as a timer
+# waking (tqdm's monitor checks its bars in microseconds every 10 s), not as work.
+WOKE_MAX_CPU_S = 0.01
+
+
+def _woke_for_a_moment(t: ThreadObs) -> bool:
+    """Runnable at this sample, but not since the last one (the run queue saw it leave) and with
+    next to no CPU in between: a thread that woke, not one that works or spins."""
+    rq = t.runqueue
+    return (t.cpu_delta_s is not None and t.cpu_delta_s <= WOKE_MAX_CPU_S
+            and (rq is None or rq.runnable_for_s < SPIN_MIN_S))
 
 
 def _client(procs: list[ProcessObs], threads: list[tuple[ProcessObs, ThreadObs]],
