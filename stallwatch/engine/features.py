@@ -167,7 +167,7 @@ def features(snap: Snapshot) -> dict[str, Any]:
         "stall_threshold_why": threshold_why,
         "job": _job(snap, procs),
         "proc": _proc(procs, threads),
-        "log": {**_log(snap), "pace": pace(snap, *known_rate(snap))},
+        "log": _log(snap),
         "outputs": _outputs(snap),
         "gpu": _kept("gpu", snap.gpu, (job_pids, mine), snap.gpu is None or not snap.gpu.xid_events,
                      lambda: _gpu(snap, job_pids, mine)),
@@ -181,6 +181,7 @@ def features(snap: Snapshot) -> dict[str, Any]:
         "probe_errors": [f"{r.name}: {status[r.name]}: {r.error}" for r in snap.probes
                          if status[r.name] not in ("ok", "absent") and r.error],
     }
+    v["log"]["pace"] = pace(snap, *known_rate(snap))
     v["log"].update(_bar_vars(snap, threshold))
     v["job"].update(_job_ranks(procs, v["log"], f"{v['job']['comm']} (pid {v['job']['pid']})"))
     v["server"].update(server_fate(snap, v["server"], v["client"]))

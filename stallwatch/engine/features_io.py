@@ -16,39 +16,54 @@ from stallwatch.engine.features_gpu import APPLICATION_XIDS, RECENT_EVENT_S, _no
 
 def _log(snap: Snapshot) -> dict[str, Any]:
     log = snap.log
-    present = log is not None and log.status.value == "ok"
-    pr = log.progress if log else None
-    tb = log.traceback if log else None
-    fatal = log.fatal if log else ()
+    if log is None:
+        return dict(_NO_LOG)
+    pr = log.progress
+    tb = log.traceback
+    fatal = log.fatal
     total = pr.total if pr and pr.total else None
+    status = log.status.value
+    cadence = log.cadence_s
+    rate = log.rate_per_s
+    if rate is None:
+        rate = log.tqdm_rate_per_s if log.tqdm_rate_per_s is not None else -1.0
     return {
-        "configured": log is not None,
-        "present": present,
-        "path": log.path if log else "",
-        "status": log.status.value if log else "absent",
+        "configured": True,
+        "present": status == "ok",
+        "path": log.path,
+        "status": status,
         "has_progress": pr is not None,
         "done": float(pr.done) if pr else -1.0,
         "total": float(total) if total else -1.0,
         "total_known": total is not None,
         "complete": bool(pr and total and pr.done >= total),
         "fraction": float(pr.done) / total if pr and total else -1.0,
-        "idle_s": log.idle_s if log and log.idle_s is not None else -1.0,
-        "idle_known": bool(log and log.idle_s is not None),
-        "idle_source": (log.idle_source or "") if log else "",
-        "growth_age_s": log.last_growth_age_s if log and log.last_growth_age_s is not None else -1.0,
-        "cadence_p90_s": log.cadence_s.p90_s if log and log.cadence_s else -1.0,
-        "cadence_max_s": log.cadence_s.max_s if log and log.cadence_s else -1.0,
-        "rate_per_s": (log.rate_per_s if log and log.rate_per_s is not None else
-                       (log.tqdm_rate_per_s if log and log.tqdm_rate_per_s is not None else -1.0)),
+        "idle_s": log.idle_s if log.idle_s is not None else -1.0,
+        "idle_known": log.idle_s is not None,
+        "idle_source": log.idle_source or "",
+        "growth_age_s": log.last_growth_age_s if log.last_growth_age_s is not None else -1.0,
+        "cadence_p90_s": cadence.p90_s if cadence else -1.0,
+        "cadence_max_s": cadence.max_s if cadence else -1.0,
+        "rate_per_s": rate,
         "long_rate_per_s": _long_rate(pr),
-        "eta_s": log.eta_s if log and log.eta_s is not None else -1.0,
-        "last_line": (log.tail[-1] if log and log.tail else ""),
+        "eta_s": log.eta_s if log.eta_s is not None else -1.0,
+        "last_line": log.tail[-1] if log.tail else "",
         "traceback": tb is not None,
         "exception": _exception_text(tb),
         "fatal": bool(fatal),
         "fatal_line": fatal[-1].line if fatal else "",
         "fatal_kind": fatal[-1].kind if fatal else "",
     }
+
+
+# The log's variables when none is configured.
+_NO_LOG: dict[str, Any] = {
+    "configured": False, "present": False, "path": "", "status": "absent", "has_progress": False,
+    "done": -1.0, "total": -1.0, "total_known": False, "complete": False, "fraction": -1.0,
+    "idle_s": -1.0, "idle_known": False, "idle_source": "", "growth_age_s": -1.0,
+    "cadence_p90_s": -1.0, "cadence_max_s": -1.0, "rate_per_s": -1.0, "long_rate_per_s": -1.0,
+    "eta_s": -1.0, "last_line": "", "traceback": False, "exception": "", "fatal": False,
+    "fatal_line": "", "fatal_kind": ""}
 
 
 def _bar_vars(snap: Snapshot, threshold: float) -> dict[str, Any]:
@@ -139,20 +154,39 @@ def _outputs(snap: Snapshot) -> dict[str, Any]:
 
 def _disk(snap: Snapshot) -> dict[str, Any]:
     d = snap.disks
-    paths = [p for p in (d.paths if d else ()) if p.kind == "path"]
-    shm = next((p for p in (d.paths if d else ()) if p.kind == "dev_shm"), None)
-    # Counts known for these: `or 0` below only says so to the type checker.
-    known = [p for p in paths if p.free_bytes is not None and p.total_bytes]
-    tight = min(known, key=lambda p: p.free_bytes or 0, default=None)
-    tight_inodes = min((p for p in paths if p.free_inodes is not None and p.total_inodes),
-                       key=lambda p: p.free_inodes or 0, default=None)
-    stuck = [p for p in paths if p.status.value in ("timeout", "busy")]
-    job_devs = {p.device.name for p in paths if p.device} | {
-        p.device.parent_disk for p in paths if p.device and p.device.parent_disk}
-    devs = [x for x in (d.devices if d else ()) if x.name in job_devs] or list(d.devices if d else ())
-    worst_dev = max(devs, key=lambda x: x.inflight_stuck_for_s, default=None)
+    # One pass over the paths (a handful, every tick): the tightest by bytes and by inodes (the
+    # first of equals, as min() picks), the stuck ones, the job's devices, /dev/shm.
+    paths: list[PathUsage] = []
+    shm = tight = tight_inodes = None
+    stuck: list[PathUsage] = []
+    job_devs: set[str] = set()
+    known = False
+    for p in (d.paths if d else ()):
+        if p.kind != "path":
+            if shm is None and p.kind == "dev_shm":
+                shm = p
+            continue
+        paths.append(p)
+        free = p.free_bytes
+        if free is not None and p.total_bytes:
+            known = True
+            if tight is None or free < (tight.free_bytes or 0):
+                tight = p
+        if p.free_inodes is not None and p.total_inodes and (
+                tight_inodes is None or p.free_inodes < (tight_inodes.free_inodes or 0)):
+            tight_inodes = p
+        if p.status in _STUCK:  # a StrEnum: compared as its string, without `.value`
+            stuck.append(p)
+        dev = p.device
+        if dev:
+            job_devs.add(dev.name)
+            if dev.parent_disk:
+                job_devs.add(dev.parent_disk)
+    all_devs = d.devices if d else ()
+    devs = [x for x in all_devs if x.name in job_devs] or all_devs
+    worst_dev = max(devs, key=_inflight_stuck, default=None)
     return {
-        "known": bool(known),
+        "known": known,
         "free_bytes": float(tight.free_bytes or 0) if tight else -1.0,
         "free_h": human_bytes(tight.free_bytes or 0) if tight else "",
         "total_bytes": float(tight.total_bytes or 0) if tight else -1.0,
@@ -180,6 +214,13 @@ def _disk(snap: Snapshot) -> dict[str, Any]:
                    "device": _devname(p), "status": p.status.value, "detail": p.detail or ""}
                   for p in paths],
     }
+
+
+_STUCK = ("timeout", "busy")
+
+
+def _inflight_stuck(x: Any) -> float:
+    return x.inflight_stuck_for_s
 
 
 def _io_place(snap: Snapshot, d_file: str) -> dict[str, str]:

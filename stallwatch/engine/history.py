@@ -69,6 +69,8 @@ def sample(t_wall: float, v: dict[str, Any], snap: Any = None) -> Sample:
 
 
 def _num(x: Any) -> float | None:
+    if type(x) is float:  # what the variables hold: no conversion to try
+        return x if math.isfinite(x) else None
     try:
         f = float(x)
     except (TypeError, ValueError):
