@@ -159,6 +159,34 @@ def test_a_steady_poll_reads_the_new_bytes_only_and_a_hole_past_the_end_is_still
     assert f.truncations == 1 and "new run" in r.lines
 
 
+def test_a_poll_asks_pread_for_the_bytes_fstat_saw_not_a_whole_read_size(tmp_path, monkeypatch) -> None:
+    """A 1 MiB pread for a tick's few hundred bytes made glibc mmap, mremap and munmap a buffer
+    every tick: each read asks for what the file holds past the offset (capped by read_size),
+    and a backlog bigger than read_size is still read in read_size pieces within the budget."""
+    from stallwatch.probes import logfollow
+
+    log = tmp_path / "job.log"
+    log.write_bytes(b"start\n")
+    f = logfollow.LogFollower(log, read_size=4096, chunk_budget_bytes=8192, initial_tail_bytes=8192)
+    asked: list[int] = []
+    real = os.pread
+    monkeypatch.setattr(logfollow.os, "pread", lambda fd, n, at: asked.append(n) or real(fd, n, at))
+    assert f.poll().lines == ["start"] and asked == [6]
+    with open(log, "ab") as w:
+        w.write(b"step 1/10\n")
+    asked.clear()
+    assert f.poll().lines == ["step 1/10"]
+    assert asked == [6, 10], asked  # the prefix check, then the ten new bytes
+    with open(log, "ab") as w:  # a backlog of 10,000 bytes: two read_size pieces, the budget
+        w.write(b"".join(b"%04d\n" % i for i in range(2000)))
+    asked.clear()
+    r = f.poll()
+    assert asked[1:] == [4096, 4096] and r.read_bytes == 8192 and f.offset < log.stat().st_size
+    asked.clear()
+    r = f.poll()
+    assert asked[1:] == [10016 - 16 - 8192] and f.offset == log.stat().st_size
+
+
 def test_the_rate_is_over_the_window_only(tmp_path) -> None:
     """_rate: the base is the latest sample at or before the window's start once one is that
     old, and the oldest sample while none is (the walk for it is skipped then)."""
