@@ -491,7 +491,7 @@ def test_lost_events_mid_sweep_reconcile_whole_at_once(tmp_path, clock, make_pro
 
 @pytest.mark.parametrize("base", ["/data/out", "/data/out/", "/"])
 @pytest.mark.parametrize("tail", ["a.bin", "sub/a.bin", ".hidden", "..x", "a/../b", "a/./b", "a//b",
-                                  "", "../sibling/f"])
+                                  "", "../sibling/f", "a/", "sub/.hidden", "/abs"])
 def test_event_path_made_relative_as_relpath_does(base: str, tail: str, tmp_path: Path) -> None:
     """The cut used for event paths answers what os.path.relpath answered for every spelling."""
     probe = OutputsProbe(tmp_path, use_inotify=False)

@@ -340,3 +340,22 @@ def test_counters_too_big_for_a_float_are_not_progress():
     assert parse_regex("10e308", _re.compile(r"(?P<done>[\d.e+-]+)")) is None
     assert parse_tqdm("x: 10%|#| " + "9" * 400 + "/" + "9" * 401 + " [00:01<00:02, 1.00it/s]") is None
     assert parse_tqdm("x: 10%|#| 5/10 [00:01<00:02, 1.00it/s]").done == 5
+
+
+@pytest.mark.parametrize("line", [
+    SPECFORGE, "  0%|          | 0/100 [00:00<?, ?it/s]", "100%|██████████| 5/5 [00:10<00:00,  2.00s/it]",
+    "Processing: 1234it [00:05, 246.80it/s, loss=0.5]", "1234it [00:05, ?it/s]",
+    " 10%|█         | 18.4k/184k [00:10<01:30, 1.84kit/s]", "x: 1%| | 1/100 [00:01<00:99, 1.00it/s, lst=[1, 2], f=2.5]",
+    "epoch 3/10 step 500/1000 loss 0.2", "processed 1,234/5,678 rows",
+])
+def test_unvalidated_events_equal_their_validation(line):
+    """The parsers build events without validation (issue 17): validating the same fields gives
+    an equal event, the same fields set, the same types and the same JSON."""
+    ev = parse_progress(line)
+    assert ev is not None
+    again = ProgressEvent(**{n: getattr(ev, n) for n in ev.model_fields_set})
+    assert ev == again and ev.model_fields_set == again.model_fields_set
+    assert {n: type(getattr(ev, n)) for n in ProgressEvent.model_fields} == \
+        {n: type(getattr(again, n)) for n in ProgressEvent.model_fields}
+    assert ev.model_dump_json() == again.model_dump_json()
+    assert list(ev.__dict__) == list(again.__dict__)  # the declared order: dumps and repr

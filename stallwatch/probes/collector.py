@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
-from stallwatch.probes.base import DeadlineRunner, Probe, ProbeReport, report_for_observation, run_inline
+from stallwatch.probes.base import (
+    DeadlineRunner, Probe, ProbeReport, field_defaults, made, report_for_observation, run_inline,
+)
 from stallwatch.probes.disks import DisksProbe
 from stallwatch.probes.gpu import GpuProbe
 from stallwatch.probes.kmsg import KmsgProbe
@@ -31,6 +33,8 @@ from stallwatch.sglang.titles import parse_title
 from stallwatch.kernel.roots import DEFAULT_ROOTS, Roots
 from stallwatch.probes.snapshot import PROBE_FIELDS, Snapshot
 from stallwatch.probes.targets import Target
+
+_SNAPSHOT_DEFAULTS = field_defaults(Snapshot)
 
 
 class Collector:
@@ -138,12 +142,13 @@ class Collector:
         # Unvalidated: every part is a model built by a probe or a float of the clock, and
         # validating them again cost more than the rest of the tick's own work (issue 17;
         # test_collector checks it equals a validated build).
-        return Snapshot.model_construct(
-            t_mono=float(t0), t_wall=float(self.clock.time()), host=self.host, target=self.target,
-            probes=tuple(report for _, report in results.values()),
-            tick_duration_s=float(self.clock.monotonic() - t0),
-            **{PROBE_FIELDS[name]: value for name, (value, _) in results.items()},
-        )
+        values: dict[str, Any] = {
+            "t_mono": float(t0), "t_wall": float(self.clock.time()), "host": self.host,
+            "target": self.target, "probes": tuple(report for _, report in results.values()),
+            "tick_duration_s": float(self.clock.monotonic() - t0)}
+        for name, (value, _) in results.items():
+            values[PROBE_FIELDS[name]] = value
+        return made(Snapshot, _SNAPSHOT_DEFAULTS, values)
 
     def _without_worker(self, p: Probe) -> tuple[Any, ProbeReport] | None:
         """A probe's (value, report) got without the lane: the last ones again when the probe

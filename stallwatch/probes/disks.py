@@ -14,7 +14,7 @@ import posixpath
 import select
 import time
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 from collections.abc import Callable
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
@@ -25,11 +25,9 @@ from stallwatch.kernel.diskfs import (
     parse_diskstats, parse_mountinfo, path_in_filesystem,
 )
 from stallwatch.model import Frozen
-from stallwatch.probes.base import HANDOFF_SHARE, Call, Lane, ProbeStatus
-from stallwatch.probes.processes_obs import built
+from stallwatch.probes.base import HANDOFF_SHARE, Call, Lane, ProbeStatus, field_defaults, made
 from stallwatch.kernel.roots import DEFAULT_ROOTS, Absent, Denied, Roots, read_all
 
-M = TypeVar("M", bound=Frozen)
 SHM_PREFIXES = ("sgl_shm",)  # SGLang's leaked sgl_shm_mm_* segments filled /dev/shm (#40723)
 _SHM_LIST_LIMIT = 100_000  # a runaway leak must not turn one listing into a memory problem
 # Listing /dev/shm was most of the disks probe's CPU (issue 17): a busy node's (torch, NCCL,
@@ -104,21 +102,9 @@ class DisksObs(Frozen):
     errors: tuple[str, ...] = ()
 
 
-def _made(cls: type[M], defaults: dict[str, Any], values: dict[str, Any]) -> M:
-    """cls(**values) without validation (processes_obs.built) for the records built every tick
-    from this probe's own typed values: the fields not given take their defaults, and only the
-    given ones are `set`, as validation leaves them (tests/test_disks_cost.py checks a real
-    collect's records against validation)."""
-    return built(cls, {**defaults, **values}, set(values))
-
-
-def _defaults(cls: type[Frozen]) -> dict[str, Any]:
-    return {name: None if f.is_required() else f.default for name, f in cls.model_fields.items()}
-
-
-_IO_DEFAULTS = _defaults(BlockDeviceIO)
-_USAGE_DEFAULTS = _defaults(PathUsage)
-_OBS_DEFAULTS = _defaults(DisksObs)
+_IO_DEFAULTS = field_defaults(BlockDeviceIO)
+_USAGE_DEFAULTS = field_defaults(PathUsage)
+_OBS_DEFAULTS = field_defaults(DisksObs)
 
 
 @dataclass
@@ -218,7 +204,7 @@ class DisksProbe:
 
         watched = {n for u in paths if u.device for n in (u.device.name, u.device.parent_disk) if n}
         devices = self._rates(stats, now, watched)
-        return _made(DisksObs, _OBS_DEFAULTS, dict(
+        return made(DisksObs, _OBS_DEFAULTS, dict(
             devices=tuple(devices), paths=tuple(paths), diskstats_status=diskstats_status,
             mountinfo_status=mountinfo_status, errors=tuple(errors),
         ))
@@ -471,7 +457,7 @@ class DisksProbe:
                          statvfs_latency_s=float(max(0.0, (call.finished or now) - (call.started or queued_at_mono))))
             if facts.shm is not None:
                 entry.update(zip(("shm_segments", "sgl_shm_segments", "sgl_shm_bytes"), facts.shm, strict=True))
-        return _made(PathUsage, _USAGE_DEFAULTS, entry)
+        return made(PathUsage, _USAGE_DEFAULTS, entry)
 
 
 def _device_io(cur: DiskStat, prev_t: tuple[DiskStat, float] | None, now: float,
@@ -484,7 +470,7 @@ def _device_io(cur: DiskStat, prev_t: tuple[DiskStat, float] | None, now: float,
     )
     if prev_t is None:
         stuck_since.pop(cur.name, None)
-        return _made(BlockDeviceIO, _IO_DEFAULTS, base)
+        return made(BlockDeviceIO, _IO_DEFAULTS, base)
     prev, t0 = prev_t
     dt = now - t0
     # Stuck only when I/O was in flight at both ends and nothing completed in between: a single
@@ -499,9 +485,9 @@ def _device_io(cur: DiskStat, prev_t: tuple[DiskStat, float] | None, now: float,
         "reads_completed", "writes_completed", "sectors_read", "sectors_written",
         "read_ms", "write_ms", "io_ticks_ms")}
     if dt <= 0 or any(v < 0 for v in d.values()):
-        return _made(BlockDeviceIO, _IO_DEFAULTS, base)  # no time passed, or counters wrapped/reset: no honest rate
+        return made(BlockDeviceIO, _IO_DEFAULTS, base)  # no time passed, or counters wrapped/reset: no honest rate
     ios = d["reads_completed"] + d["writes_completed"]
-    return _made(BlockDeviceIO, _IO_DEFAULTS, dict(
+    return made(BlockDeviceIO, _IO_DEFAULTS, dict(
         base, interval_s=float(dt),
         read_bytes_per_s=d["sectors_read"] * SECTOR_BYTES / dt,
         write_bytes_per_s=d["sectors_written"] * SECTOR_BYTES / dt,

@@ -20,6 +20,7 @@ import ctypes.util
 import errno
 import os
 import struct
+import sys
 
 IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE, IN_OPEN = 0x2, 0x4, 0x8, 0x20
 IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x40, 0x80, 0x100, 0x200
@@ -33,6 +34,8 @@ MASK = (IN_CLOSE_WRITE | IN_OPEN | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_
         | IN_MOVE_SELF | IN_ONLYDIR | IN_DONT_FOLLOW)
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len
 _READ_BYTES = 256 * 1024
+# os.fsdecode's own steps, once: it is called for every event's name (issue 17)
+_FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
 
 _libc = None
 
@@ -57,6 +60,9 @@ class InotifyWatch:
         # An open changes nothing by itself, so it is not among drain()'s paths.
         self.closes: list[tuple[str, bool]] = []
         self._wd: dict[int, str] = {}
+        # wd -> its path with a trailing "/": an event's path is this and the name (os.path.join's
+        # answer for a name the kernel gave: one component, never absolute), without a call
+        self._prefix: dict[int, str] = {}
         lib = _lib()
         fd = lib.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
         if fd < 0:
@@ -86,6 +92,7 @@ class InotifyWatch:
                 self.error, self.lost = f"inotify_add_watch {path}: {os.strerror(e)}", True
             return False
         self._wd[wd] = path
+        self._prefix[wd] = path if path.endswith("/") else path + "/"
         return True
 
     def _add_tree(self, top: str, report: list[str] | None) -> None:
@@ -125,17 +132,19 @@ class InotifyWatch:
         return out
 
     def _parse(self, buf: bytes, out: list[str]) -> None:
-        off, n = 0, len(buf)
-        while off + _EVENT.size <= n:
-            wd, mask, _cookie, ln = _EVENT.unpack_from(buf, off)
-            raw = buf[off + _EVENT.size: off + _EVENT.size + ln].rstrip(b"\0")
-            off += _EVENT.size + ln
+        off, n, size, unpack = 0, len(buf), _EVENT.size, _EVENT.unpack_from
+        wds, prefixes, closes = self._wd, self._prefix, self.closes
+        while off + size <= n:
+            wd, mask, _cookie, ln = unpack(buf, off)
+            start = off + size
+            off = start + ln
             if mask & IN_Q_OVERFLOW:
                 self.lost = True
                 continue
-            base = self._wd.get(wd)
+            base = wds.get(wd)
             if mask & IN_IGNORED:
-                self._wd.pop(wd, None)
+                wds.pop(wd, None)
+                prefixes.pop(wd, None)
                 if base == self.root:
                     self.root_gone = True
                 continue
@@ -146,14 +155,15 @@ class InotifyWatch:
                     self.root_gone = True
                 out.append(base)
                 continue
+            raw = buf[start:off].rstrip(b"\0")
             if mask & IN_OPEN:
                 if raw and not mask & IN_ISDIR:
-                    self.closes.append((os.path.join(base, os.fsdecode(raw)), False))
+                    closes.append((prefixes[wd] + raw.decode(_FS_ENCODING, _FS_ERRORS), False))
                 continue
-            path = os.path.join(base, os.fsdecode(raw)) if raw else base
+            path = prefixes[wd] + raw.decode(_FS_ENCODING, _FS_ERRORS) if raw else base
             out.append(path)
             if mask & IN_CLOSE_WRITE and not mask & IN_ISDIR:
-                self.closes.append((path, True))
+                closes.append((path, True))
             if mask & IN_ISDIR and mask & (IN_CREATE | IN_MOVED_TO):
                 self._add_tree(path, out)
 
@@ -164,4 +174,4 @@ class InotifyWatch:
                 os.close(fd)  # drops every watch with it
             except OSError:
                 pass
-        self._wd = {}
+        self._wd, self._prefix = {}, {}

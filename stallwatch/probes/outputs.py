@@ -215,7 +215,8 @@ class OutputsProbe:
         self._count = self._bytes = 0
         self._newest: tuple[int, str] | None = None
         self._newest_stale = False
-        self._recent: OrderedDict[str, None] = OrderedDict()
+        # the last new files, oldest first: rel -> (its directory's rel, its name), split once
+        self._recent: OrderedDict[str, tuple[str, str]] = OrderedDict()
         # Both ordered by their value, oldest first (each write moves its key to the end, and
         # the clock only moves on), so a tick looks only at their ends, not at every hot file.
         self._hot: OrderedDict[str, float] = OrderedDict()  # hot file -> when it last changed
@@ -253,7 +254,7 @@ class OutputsProbe:
             self._newest = (mtime_ns, rel)
         if not self._initial:
             if old is None:
-                self._recent[rel] = None
+                self._recent[rel] = (dirrel, name)
                 while len(self._recent) > self.recent_n:
                     self._recent.popitem(last=False)
             self._heat(rel, now)
@@ -410,7 +411,7 @@ class OutputsProbe:
         files = ((m, _join(d, n)) for d, dd in self._dirs.items() for n, (_, m) in dd.files.items())
         newest = heapq.nlargest(self.recent_n, files)
         for m, rel in reversed(newest):
-            self._recent[rel] = None
+            self._recent[rel] = _split(rel)
             if wall - m / 1e9 <= self.hot_window_s:
                 self._heat(rel, now - max(0.0, wall - m / 1e9))
         if newest:
@@ -463,8 +464,9 @@ class OutputsProbe:
         prefix = self._base if self._base.endswith("/") else self._base + "/"
         if path.startswith(prefix):
             rel = path[len(prefix):]
-            parts = rel.split("/")
-            if "" not in parts and "." not in parts and ".." not in parts:
+            # No empty, "." or ".." component: conservative (a name that starts with a dot
+            # takes relpath, which gives the same answer), without a list of parts.
+            if rel and rel[0] not in "./" and rel[-1] != "/" and "//" not in rel and "/." not in rel:
                 return rel
         return os.path.relpath(path, self._base).replace(os.sep, "/")
 
@@ -671,23 +673,29 @@ class OutputsProbe:
         self._root_ident = None
         return self._obs(now, status, error)
 
-    def _file(self, rel: str, wall: float) -> OutputFile | None:
-        dirrel, name = _split(rel)
+    def _file(self, rel: str, dirrel: str, name: str, wall: float) -> OutputFile | None:
         d = self._dirs.get(dirrel)
         info = d.files.get(name) if d else None
         if info is None:
             return None
         mtime = info[1] / 1e9
-        # unvalidated (processes_obs.built): our own typed values, ~17 records a tick
+        # unvalidated (processes_obs.built): our own typed values, ~17 records a tick; given in
+        # the declared order with every field set, so built need not reorder them
         return built(OutputFile, {"path": rel, "size_bytes": info[0], "mtime_epoch_s": mtime,
-                                  "age_s": max(0.0, wall - mtime)})
+                                  "age_s": max(0.0, wall - mtime)},
+                     {"path", "size_bytes", "mtime_epoch_s", "age_s"})
 
     def _obs(self, now: float, status: ProbeStatus, error: str | None) -> OutputsObs:
         if self._newest_stale:
             self._recompute_newest()
         wall = self.clock.time()
-        newest = self._file(self._newest[1], wall) if self._newest else None
-        recent = tuple(f for f in (self._file(r, wall) for r in self._recent) if f is not None)
+        newest = self._file(self._newest[1], *_split(self._newest[1]), wall) if self._newest else None
+        recent_l = []
+        for rel, (dirrel, name) in self._recent.items():
+            f = self._file(rel, dirrel, name, wall)
+            if f is not None:
+                recent_l.append(f)
+        recent = tuple(recent_l)
         # Unvalidated, as _file; float(): a test's clock may count in ints.
         return built(OutputsObs, dict(
             path=self.root, status=status, error=error,

@@ -20,6 +20,7 @@ from typing import Literal
 from pydantic import Field
 
 from stallwatch.model import Frozen
+from stallwatch.probes.base import field_defaults, made
 
 PostfixValue = int | float | str
 
@@ -34,6 +35,12 @@ class ProgressEvent(Frozen):
     postfix: dict[str, PostfixValue] = Field(default_factory=dict)
     desc: str | None = None  # tqdm's description (the text before `: NN%|`)
     unit: str | None = None  # tqdm's unit ("it", "B", "samples")
+
+
+# The parsers below build events unvalidated (base.made): each field is of its declared type by
+# construction, and a bar line a tick was a validation of nine fields (issue 17; test_progress
+# holds every parse to its validation).
+_EVENT_DEFAULTS = field_defaults(ProgressEvent, factory_given=("postfix",))
 
 
 # --- cleaning --------------------------------------------------------------------------------
@@ -183,21 +190,21 @@ def _parse_tqdm(line: str) -> ProgressEvent | None:
         rate, unit = _rate(m["rate"], scaled)
         lbar = _LBAR.search(line[: m.start()])
         desc = lbar["desc"] if lbar and lbar["desc"] else None
-        return ProgressEvent(
+        return made(ProgressEvent, _EVENT_DEFAULTS, dict(
             done=done, total=total, rate_per_s=rate, elapsed_s=_interval(m["elapsed"]),
             remaining_s=_interval(m["remaining"]), source="tqdm", postfix=_postfix(m["postfix"]),
             desc=desc, unit=unit,
-        )
+        ))
     m = _TQDM_NOTOTAL.search(line)
     if m:
         scaled = any(c in "kMGTPEZY." for c in m["n"])
         rate, unit = _rate(m["rate"], scaled)
         prefix = line[: m.start()].strip()
-        return ProgressEvent(
+        return made(ProgressEvent, _EVENT_DEFAULTS, dict(
             done=_num(m["n"]), total=None, rate_per_s=rate, elapsed_s=_interval(m["elapsed"]),
             source="tqdm", postfix=_postfix(m["postfix"]),
             desc=prefix.rstrip(":").strip() or None, unit=unit or m["unit"],
-        )
+        ))
     return None
 
 
@@ -232,7 +239,11 @@ def parse_fraction(line: str) -> ProgressEvent | None:
             best = (done, total)
     if best is None:
         return None
-    return ProgressEvent(done=best[0], total=best[1], source="fraction")
+    # postfix: its default_factory's {} (given, so made has it), yet not `set`, as validated
+    ev = made(ProgressEvent, _EVENT_DEFAULTS, dict(done=best[0], total=best[1], source="fraction",
+                                                   postfix={}))
+    ev.model_fields_set.discard("postfix")
+    return ev
 
 
 # --- user regex ------------------------------------------------------------------------------
