@@ -305,9 +305,10 @@ class DisksProbe:
                 out.append(_device_io(cur, prev_t, now, self._stuck_since))
             else:
                 self._stuck_since.pop(name, None)
-        for gone in set(self._prev) - set(stats):
-            del self._prev[gone]
-            self._stuck_since.pop(gone, None)
+        if len(self._prev) != len(stats):  # every name in stats is in _prev now: some went
+            for gone in set(self._prev) - set(stats):
+                del self._prev[gone]
+                self._stuck_since.pop(gone, None)
         return out
 
     def _mount_for(self, mounts: list[MountInfo], path: str) -> MountInfo | None:
@@ -481,20 +482,23 @@ def _device_io(cur: DiskStat, prev_t: tuple[DiskStat, float] | None, now: float,
         stuck_since.pop(cur.name, None)
     # float(): built unvalidated, and a test's clock may count in ints
     base["inflight_stuck_for_s"] = float(now - stuck_since[cur.name]) if cur.name in stuck_since else 0.0
-    d = {f: getattr(cur, f) - getattr(prev, f) for f in (
-        "reads_completed", "writes_completed", "sectors_read", "sectors_written",
-        "read_ms", "write_ms", "io_ticks_ms")}
-    if dt <= 0 or any(v < 0 for v in d.values()):
+    # the counters' deltas, by name (7 a device a tick: no dict of getattr pairs, issue 17)
+    reads = cur.reads_completed - prev.reads_completed
+    writes = cur.writes_completed - prev.writes_completed
+    sectors_r = cur.sectors_read - prev.sectors_read
+    sectors_w = cur.sectors_written - prev.sectors_written
+    ms = (cur.read_ms - prev.read_ms, cur.write_ms - prev.write_ms)
+    ticks_ms = cur.io_ticks_ms - prev.io_ticks_ms
+    if dt <= 0 or min(reads, writes, sectors_r, sectors_w, ms[0], ms[1], ticks_ms) < 0:
         return made(BlockDeviceIO, _IO_DEFAULTS, base)  # no time passed, or counters wrapped/reset: no honest rate
-    ios = d["reads_completed"] + d["writes_completed"]
-    return made(BlockDeviceIO, _IO_DEFAULTS, dict(
-        base, interval_s=float(dt),
-        read_bytes_per_s=d["sectors_read"] * SECTOR_BYTES / dt,
-        write_bytes_per_s=d["sectors_written"] * SECTOR_BYTES / dt,
-        read_iops=d["reads_completed"] / dt, write_iops=d["writes_completed"] / dt,
-        await_ms=(d["read_ms"] + d["write_ms"]) / ios if ios else None,
-        busy_pct=min(100.0, d["io_ticks_ms"] / (dt * 1000.0) * 100.0),
-    ))
+    ios = reads + writes
+    base.update(
+        interval_s=float(dt), read_bytes_per_s=sectors_r * SECTOR_BYTES / dt,
+        write_bytes_per_s=sectors_w * SECTOR_BYTES / dt, read_iops=reads / dt, write_iops=writes / dt,
+        await_ms=(ms[0] + ms[1]) / ios if ios else None,
+        busy_pct=min(100.0, ticks_ms / (dt * 1000.0) * 100.0),
+    )
+    return made(BlockDeviceIO, _IO_DEFAULTS, base)
 
 
 def _space(st: os.statvfs_result) -> dict:

@@ -476,10 +476,14 @@ class LogProbe:
             xs = sorted(key[0])  # one sort for all three: statistics.median and _p90 each sort
             n = len(xs)
             median = xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2  # as statistics.median
-            self._cadence_key, self._cadence_obs = key, Cadence(
-                median_s=median, p90_s=_p90(xs), max_s=xs[-1], samples=n,
-                source=source, outliers=self._outliers_total, last_outlier_s=key[3],
-            )
+            # Unvalidated (built): a new interval each tick with progress rebuilt it every tick;
+            # float(): a test's clock may count in ints. test_log_redraws holds it to validation.
+            last_outlier = key[3]
+            self._cadence_key, self._cadence_obs = key, built(Cadence, dict(
+                median_s=float(median), p90_s=float(_p90(xs)), max_s=float(xs[-1]), samples=n,
+                source=source, outliers=self._outliers_total,
+                last_outlier_s=None if last_outlier is None else float(last_outlier),
+            ))
         return self._cadence_obs
 
     def _rate(self, now: float, cadence: Cadence | None) -> float | None:

@@ -436,10 +436,13 @@ class OutputsProbe:
             self._pending.clear()  # bounded memory; the reconciliation we force recovers
             self._pending_lost = True
 
-    def _apply_events(self, now: float) -> None:
+    def _apply_events(self, now: float) -> dict[str, str]:
+        """Each event path's index entry brought in line; returns path -> its rel (a file closed
+        after writing is in both its events and the closes: cut once)."""
         pending, self._pending = self._pending, {}
+        rels: dict[str, str] = {}
         for p in pending:
-            rel = self._rel(p)
+            rel = rels[p] = self._rel(p)
             if rel == "." or rel.startswith("../") or rel == "..":
                 continue
             dirrel, name = _split(rel)
@@ -456,6 +459,7 @@ class OutputsProbe:
                     self._walk([rel], now, True, set())  # a new directory: its files came with it
             elif not self._match or self._match(name):
                 self._put(dirrel, name, st.st_size, st.st_mtime_ns, now)
+        return rels
 
     def _rel(self, path: str) -> str:
         """os.path.relpath(path, base) for an event's path. The watch joins each path from the
@@ -623,10 +627,12 @@ class OutputsProbe:
             self._continue_sweep(now, sliced=True)
         elif now - self._sweep_started >= period:
             self._reconcile(now, full=False, phase=phase, sliced=True)
-        self._apply_events(now)
+        rels = self._apply_events(now)
         reopened: list[str] = []
         for p, closed in self._just_closed:  # after their events' lstat: that is their closed state
-            rel = self._rel(p)
+            rel = rels.get(p)
+            if rel is None:
+                rel = self._rel(p)
             if rel not in self._hot:
                 continue
             if closed:
