@@ -282,14 +282,23 @@ def test_a_rule_false_last_time_gets_its_condition_reads_alone_until_it_turns_tr
     import stallwatch.engine.alerting as alerting
 
     built: list[dict] = []
+    held: dict[int, dict] = {}
     real = alerting.Vars
 
     class Seen(real):  # type: ignore[misc, valid-type]
+        """Each context as it is when rules run on it: built, or a kept one brought up to date
+        root by root (`Vars.put`): then as the last one with those roots replaced."""
         __slots__ = ()
 
         def __init__(self, data, **kw):
+            held[id(self)] = data
             built.append(data)
             super().__init__(data, **kw)
+
+        def put(self, name, value):
+            held[id(self)] = {**held[id(self)], name: value}
+            built.append(held[id(self)])
+            super().put(name, value)
 
     monkeypatch.setattr(alerting, "Vars", Seen)
     path = tmp_path / "r.toml"

@@ -282,6 +282,12 @@ class Evaluator:
         # The last verdict and the alert it was made of: an alert snapshot is a new object only
         # when its state or text changed (_Instance.shot), and so is the verdict then.
         self._verdict_of: tuple[Alert, Verdict] | None = None
+        # The context of the last tick's fresh rules, kept for the next (`_env`): the roots in it
+        # that are current as of that tick, with the slice (trie) each holds, and every root it
+        # holds at all (a stale one may only be left where no rule of the tick reads it).
+        self._kept: Vars | None = None
+        self._kept_roots: Paths = {}
+        self._kept_has: set[str] = set()
 
     # -- state that outlives this evaluator
 
@@ -373,6 +379,7 @@ class Evaluator:
                 same = None  # nothing to compare with: every rule's slice is compared
         else:
             plain = normalise(data, odd)
+            self._plain = None  # the next dict is compared with nothing, not an older tick
         if isinstance(plain, Vars) or odd:
             # Every rule against every variable, as before issue 17: a prepared context, or a
             # value the CEL library may refuse (which must then fail every rule alike).
@@ -489,15 +496,18 @@ class Evaluator:
                 fresh.append(rule.name)
                 if was_false:
                     lean.append(rule.name)
-        env = (self._context(pick(data, self._union(tuple(fresh), tuple(lean))), errors)
-               if fresh else None)
+        env = self._env(data, same, self._union(tuple(fresh), tuple(lean)), errors) if fresh else None
+        if not fresh:
+            self._kept_roots = {}  # none of the kept context is known current after this tick
         if fresh and env is None:
             self._memo.clear()
             self._plain = None
             return
+        having = self._having
         for rule, memo, cond_in in plan:
             if memo is not None:
-                self._apply(rule, memo.active, memo.labels, memo.kept_text, now, transitions)
+                if memo.active or rule.name in having:  # (else: no instance, none to add)
+                    self._apply(rule, memo.active, memo.labels, memo.kept_text, now, transitions)
                 continue
             if env is None:  # never: a rule evaluated afresh has a context
                 continue
@@ -519,6 +529,47 @@ class Evaluator:
                 self._memo[rule.name] = _Memo(
                     cond_in, active, labels, pick(data, reads.text) if active else None,
                     texts[-1] if texts else None, None if active else prefix)
+
+    def _env(self, data: dict[str, Any], same: dict[str, Any] | None, union: Paths,
+             errors: list[EvalError]) -> Vars | None:
+        """The context of this tick's fresh rules: `pick(data, union)`, as last tick's context
+        with only the roots whose slice may have changed added again. Converting a value into
+        CEL costs ~7,000 instructions (the library tries it as an int, then a uint, raising a
+        Python exception each time, before a double), most of building a context; a healthy
+        job's `job`, `activity` and threshold slices do not move from tick to tick.
+
+        A root kept must have held the slice read now at the last tick, which `same` says did
+        not change since (one that held more is put again: what is held costs every tick, see
+        below). It is built afresh as always on any failure, when a root read
+        now is absent from `data` but held (no variable can be taken out of a CEL context, and
+        a rule must fail on it as before), and when it holds a root no rule of this tick reads
+        (the first CEL run after a change converts the whole context again: cel's
+        build_cel_context, so what is held and unread costs every tick)."""
+        kept, roots, has = self._kept, self._kept_roots, self._kept_has
+        self._kept, self._kept_roots, self._kept_has = None, {}, set()
+        if kept is not None and same is not None and has.issubset(union):
+            now_roots: Paths = {}
+            try:
+                for key, sub in union.items():
+                    if key not in data:
+                        if key in has:
+                            break
+                        continue
+                    if not (key in roots and roots[key] == sub
+                            and unchanged({key: sub}, same)):
+                        kept.put(key, pick(data, {key: sub})[key])
+                        has.add(key)
+                    now_roots[key] = sub
+                else:
+                    self._kept, self._kept_roots, self._kept_has = kept, now_roots, has
+                    return kept
+            except (ValueError, TypeError):
+                pass  # built afresh below, which reports the failure as it always did
+        env = self._context(pick(data, union), errors)
+        if env is not None:
+            self._kept_roots = {k: sub for k, sub in union.items() if k in data}
+            self._kept, self._kept_has = env, set(self._kept_roots)
+        return env
 
     def _fresh(self, rule: Rule, env: Vars, lean: bool, data: dict[str, Any],
                errors: list[EvalError]) -> tuple[bool, tuple[tuple[str, str], ...], Vars,

@@ -343,6 +343,11 @@ class Vars:
         # Only `it` is bound this way, and rule loading refuses `it` outside evidence `each`.
         self._ctx.add_variable(name, normalise(value))
 
+    def put(self, name: str, value: Any) -> None:
+        """Set (or replace) one variable, already normalised: how the evaluator brings a kept
+        context up to date root by root. Raises what building a context with it raises."""
+        self._ctx.add_variable(name, value)
+
 
 def prepare(data: Mapping[str, Any] | Vars) -> Vars:
     return data if isinstance(data, Vars) else Vars(data)

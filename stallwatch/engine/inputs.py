@@ -29,6 +29,8 @@ from .expr import Expr, ExprError, _tokens, compile_expr
 
 __all__ = ["Paths", "conjuncts", "expr_paths", "merge", "paths", "pick", "unchanged"]
 
+_MISSING: Any = object()
+
 # A trie of variable paths: key -> the keys read below it, or None for "the whole node".
 Paths = dict[str, "Paths | None"]
 
@@ -119,13 +121,20 @@ def pick(data: Mapping[str, Any], trie: Paths) -> dict[str, Any]:
 def unchanged(trie: Paths, same: dict[str, Any]) -> bool:
     """True when every path of `trie` reads only what `same` (expr.renormalise's tree of what
     did not change since the last tick) says is as it was: then so is its slice (`pick`), and a
-    rule whose slice is what it read last time needs neither evaluating nor slicing again."""
+    rule whose slice is what it read last time needs neither evaluating nor slicing again.
+
+    Two levels are walked here without a call (renormalise's tree is two deep in the
+    evaluator): this runs for every rule every tick (issue 17, fifth pass)."""
     for key, sub in trie.items():
-        if key not in same:
-            return False
-        below = same[key]
+        below = same.get(key, _MISSING)
         if below is None:
             continue
-        if sub is None or not unchanged(sub, below):
+        if below is _MISSING or sub is None:
             return False
+        for key2, sub2 in sub.items():
+            below2 = below.get(key2, _MISSING)
+            if below2 is None:
+                continue
+            if below2 is _MISSING or sub2 is None or not unchanged(sub2, below2):
+                return False
     return True
