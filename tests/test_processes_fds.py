@@ -147,3 +147,94 @@ def test_an_idle_process_socket_state_moves_with_its_table_reused():
         # at most one of the two collects is the table's turn; only that one reads ns/net
         ns_reads = [p for p in ListingRoots.links if p.endswith("/ns/net")]
         assert len(ns_reads) <= len(ListingRoots.listings) <= 1, ListingRoots.links
+
+
+# A main thread as JOB's, and a thread that spins while it is `on` (runnable at every look, on a
+# loaded host too: a busy job's), and sleeps on an event when `off`.
+BUSY_JOB = r"""
+import os, sys, threading
+go, parked = threading.Event(), threading.Event()
+def busy():
+    while True:
+        if not go.is_set():
+            parked.set()
+            go.wait()
+            parked.clear()
+t = threading.Thread(target=busy, daemon=True)
+t.start()
+print(t.native_id, flush=True)
+for line in sys.stdin:
+    cmd, *args = line.split()
+    if cmd == "on":
+        go.set()
+    elif cmd == "off":
+        go.clear()
+        parked.wait()
+    elif cmd == "open":
+        print(os.open(args[0], os.O_WRONLY | os.O_CREAT), flush=True)
+        continue
+    elif cmd == "dup2":
+        fd = os.open(args[0], os.O_WRONLY | os.O_CREAT)
+        os.dup2(fd, int(args[1]))
+        os.close(fd)
+    elif cmd == "pipe":  # a pipe in place of fd N: the same count, no regular file
+        r, w = os.pipe()
+        os.dup2(r, int(args[0]))
+        os.close(r)
+        os.close(w)
+        print(os.fstat(int(args[0])).st_ino, flush=True)
+        continue
+    print("ok", flush=True)
+"""
+
+
+def in_futex(pid: int, tid: int) -> bool:
+    from stallwatch.kernel import procfs
+
+    with open(f"/proc/{pid}/task/{tid}/syscall") as f:
+        sc = procfs.parse_syscall(f.read(), procfs.SYSCALLS)
+    return sc is not None and sc.name == "futex"
+
+
+def test_a_running_process_fd_table_is_reused_and_exact_once_its_threads_sleep(tmp_path):
+    """A thread runs between every two collects: the table is not listed each time, yet a new
+    fd (the count) and an fd opened again on another regular file (fdinfo's inode) show on
+    the next collect, another kind of fd in place of one within the table's turn, and the
+    first collect after every thread slept reads it afresh."""
+    with spawned([sys.executable, "-c", BUSY_JOB], stdin=subprocess.PIPE,
+                 stdout=subprocess.PIPE) as proc:
+        busy = int(proc.stdout.readline())
+        assert ask(proc, "on") == "ok"
+        probe = ProcessesProbe(Target(pids=(proc.pid,)), roots=ListingRoots())
+        first = [files_of(probe, proc.pid) for _ in range(2)][-1]
+        ListingRoots.listings.clear()
+        running = [files_of(probe, proc.pid) for _ in range(4)]
+        assert len(ListingRoots.listings) <= 1, ListingRoots.listings  # the table's turn only
+        assert all(r.num_fds == first.num_fds for r in running)
+
+        fd = int(ask(proc, f"open {tmp_path / 'a.bin'}"))
+        got = files_of(probe, proc.pid)
+        assert (fd, str(tmp_path / "a.bin"), True) in {(f.fd, f.path, f.write) for f in got.open_files}
+        assert ask(proc, f"dup2 {tmp_path / 'b.bin'} {fd}") == "ok"  # same count, another file
+        got = files_of(probe, proc.pid)
+        assert {f.path for f in got.open_files if f.fd == fd} == {str(tmp_path / "b.bin")}
+
+        ask(proc, f"pipe {fd}")
+        paths = [{f.path for f in files_of(probe, proc.pid).open_files if f.fd == fd}
+                 for _ in range(STAT_EVERY_TICKS)]
+        assert any(p and next(iter(p)).startswith("pipe:") for p in paths), paths
+
+        # two collects to come that are not the table's turn: the first sees the threads that
+        # ran for the commands below, the second is the first with none run since
+        while any((proc.pid + n) % STAT_EVERY_TICKS == 0
+                  for n in (probe._collects, probe._collects + 1)):
+            files_of(probe, proc.pid)
+        assert ask(proc, f"dup2 {tmp_path / 'c.bin'} {fd}") == "ok"
+        ino = ask(proc, f"pipe {fd}")  # a regular file, then another pipe: the same count
+        assert ask(proc, "off") == "ok"
+        wait_until(lambda: in_futex(proc.pid, busy), what="the busy thread to sleep")
+        files_of(probe, proc.pid)
+        ListingRoots.listings.clear()
+        quiet = files_of(probe, proc.pid)
+        assert len(ListingRoots.listings) == 1
+        assert {f.path for f in quiet.open_files if f.fd == fd} == {f"pipe:[{ino}]"}

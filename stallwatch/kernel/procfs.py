@@ -399,14 +399,23 @@ def parse_uptime_s(text: str) -> float:
 
 def parse_fdinfo(text: str) -> tuple[int | None, int | None]:
     """(pos, flags) from /proc/PID/fdinfo/FD; flags are octal open(2) flags."""
-    pos = flags = None
+    pos, flags, _ = parse_fdinfo_ino(text)
+    return pos, flags
+
+
+def parse_fdinfo_ino(text: str) -> tuple[int | None, int | None, int | None]:
+    """(pos, flags, ino) from /proc/PID/fdinfo/FD: ino (None where the kernel does not show it;
+    6.18 does) names the file the fd stands for, so an fd opened again on another file shows."""
+    pos = flags = ino = None
     for line in text.splitlines():
         key, _, value = line.partition(":")
         if key == "pos":
             pos = int(value)
         elif key == "flags":
             flags = int(value, 8)
-    return pos, flags
+        elif key == "ino":
+            ino = int(value)
+    return pos, flags, ino
 
 
 def opened_for_write(flags: int) -> bool:

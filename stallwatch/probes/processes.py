@@ -27,7 +27,7 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol, TypeVar, cast
 from collections.abc import Callable, Mapping, Sequence
@@ -57,17 +57,29 @@ _MAX_SOCKETS_REMEMBERED = 4096
 @dataclass(slots=True)
 class _FdTable:
     """A process's fd table and cwd as read on a tick when every thread's schedstat was read
-    before them (the tree walk's batch), reused while none of its threads runs: see
-    ProcessesProbe._fd_table."""
+    before them (the tree walk's batch), reused while it can not have changed in a way that
+    shows: see ProcessesProbe._fd_table."""
 
     fds: dict[int, str] | None  # None: unreadable (such a table is not kept)
     count: int  # fds listed: /proc/PID/fd's st_size is the same while none opens or closes
     cwd: str | None
     denied: frozenset[str]  # signals those reads were refused, reported again with them
-    # what _files made of them: the fdinfo readings it used, and its result
-    infos: tuple[object, ...] = ()
-    files: tuple[OpenFileObs, ...] = ()
+    # No thread of it ran since it was read (True when read): a table reused while they ran is
+    # read again on the first tick they all sleep, so a stall's evidence is exact.
+    exact: bool = True
+    # What _files made of it, computed once per table: its sockets (inode -> fd), the fds it
+    # shows with their fdinfo path (None: not a regular file), and whether some were left out.
+    inodes: dict[int, int] | None = None
+    shown: tuple[tuple[int, str, str | None], ...] = ()
     truncated: bool = False
+    # The fdinfo readings _files last used (one per shown fd), their inode numbers, and the
+    # files built from them; (fd, path) -> (its fdinfo reading, its OpenFileObs): an fd whose
+    # reading is the same object as last tick's (_kept_parsed) keeps its record.
+    infos: tuple[object, ...] = ()
+    inos: tuple[int | None, ...] = ()
+    files: tuple[OpenFileObs, ...] = ()
+    built: dict[tuple[int, str], tuple[object, OpenFileObs]] = field(default_factory=dict)
+    infos_tick: int = -1  # infos were read this tick by _fd_table's check: _files uses them
     net_ns: str | None = None  # ns/net's readlink, once read (_tcp): only a thread changes it
 
 
@@ -481,46 +493,91 @@ class ProcessesProbe(TreeWalk, ThreadReader):
 
     def _fd_table(self, st: procfs.Stat, rows: list[_ThreadMemo] | None, limit: int,
                   tick: _Tick) -> _FdTable:
-        """The process's fd table and cwd: read afresh, or last tick's when none of its threads
-        ran since they were read.
+        """The process's fd table and cwd: read afresh, or an earlier tick's.
 
         Only a task sharing the table can open, close or dup an fd in it, and to do so it
         must run: for the process's own threads (io_uring's workers among them), their
         schedstat moves. So when the tree walk read every thread's schedstat this tick
         (`rows`) and none moved since the read that preceded the table's, the table is the
-        same: no listing, no readlink of each fd, no cwd readlink. Read afresh otherwise, and
-        in any case one tick in STAT_EVERY_TICKS (in turn, by pid), which bounds what no thread
-        of it does: a file renamed by another process (a readlink shows the new path), a
-        process sharing the table without being a thread (clone CLONE_FILES); the count of
-        open fds (/proc/PID/fd's size, Linux >= 6.2), checked every tick, shows at once what
-        such a sharer opens or closes (one stat, on a quiet tick only). A table read without
-        `rows` (the first look, a thread list that changed) is not kept: its threads' schedstat
-        was read after it."""
+        same: no listing, no readlink of each fd, no cwd readlink.
+
+        When some ran (every tick, on a busy job) the table is reused too while what shows
+        of it stands: the count of open fds (/proc/PID/fd's size, Linux >= 6.2) is the same,
+        and each regular file it shows is still the same file (fdinfo's inode number, read
+        here for _files); it is then no longer `exact`, and is read afresh on the first tick
+        none of its threads ran, so the evidence of a stall (the half-written file a sleeping
+        or D thread holds, a blocked thread's fd) is exact. What this leaves unseen while the
+        threads run is an fd opened again as another non-regular file (a pipe, a socket) in
+        the same tick as one closes: the table's turn, below, bounds it.
+
+        Read afresh in any case one tick in STAT_EVERY_TICKS (in turn, by pid), which bounds
+        what no thread of it does: a file renamed by another process (a readlink shows the new
+        path), a process sharing the table without being a thread (clone CLONE_FILES); the
+        count, checked every tick, shows at once what such a sharer opens or closes. A table
+        read without `rows` (the first look, a thread list that changed) is not kept: its
+        threads' schedstat was read after it."""
         pid, key = st.pid, (st.pid, st.start_ticks)
         fd_dir = self._paths.pid(pid, "fd")
         table = self._tables.get(key)
         if table is not None and rows is not None and len(rows) <= limit \
                 and (pid + tick.number) % STAT_EVERY_TICKS:
+            ran = False
             for m in rows:  # before _thread_rows, which moves a thread that ran to this reading
                 if m.sched_raw is None or m.sched_now != m.sched_raw:
+                    ran = True
                     break
-            else:
+            counts = self._fd_counts()
+            if ran and counts:
                 try:
-                    if not self._fd_counts() or os.stat(fd_dir).st_size == table.count:
+                    if os.stat(fd_dir).st_size == table.count and self._same_files(
+                            pid, table, tick):
+                        table.exact = False
                         tick.denied.update(table.denied)
                         return table
                 except OSError:
                     pass  # gone, or hidden: read below, which says which
+            elif not ran and table.exact:
+                try:
+                    if not counts or os.stat(fd_dir).st_size == table.count:
+                        tick.denied.update(table.denied)
+                        return table
+                except OSError:
+                    pass
         denied: set[str] = set()
         fds = self._fds(pid, denied)
         cwd = self._link(f"{self._pd(pid)}/cwd", "cwd", denied)
         tick.denied |= denied
-        table = _FdTable(fds, len(fds) if fds is not None else 0, cwd, frozenset(denied))
+        new = _FdTable(fds, len(fds) if fds is not None else 0, cwd, frozenset(denied))
+        if table is not None:  # the records of the fds still open on the same files carry over
+            new.built, new.net_ns = table.built, table.net_ns
         if fds is not None and rows is not None:
-            self._tables[key] = table
+            self._tables[key] = new
         else:
             self._tables.pop(key, None)
-        return table
+        return new
+
+    def _same_files(self, pid: int, table: _FdTable, tick: _Tick) -> bool:
+        """Whether each regular file the table shows is still open on the same file: its
+        fdinfo read (for _files, this tick) names the inode it had."""
+        if table.inodes is None:
+            return False
+        infos = self._fdinfos(pid, table.shown, tick)
+        for info, ino in zip(infos, table.inos, strict=True):
+            if info is not None and cast("tuple[int, int, int]", info)[2] != ino:
+                return False
+            if info is None and ino is not None:
+                return False  # closed (or refused): read the table again
+        table.infos_tick, table.infos = tick.number, infos
+        return True
+
+    def _fdinfos(self, pid: int, shown: tuple[tuple[int, str, str | None], ...],
+                 tick: _Tick) -> tuple[object, ...]:
+        """The fdinfo of each shown regular file, kept like status and io, and released with
+        them when the process leaves; None for the others."""
+        kept = self._kept_parsed
+        return tuple(None if path is None else kept(path, procfs.parse_fdinfo_ino, "fdinfo",
+                                                     tick.denied)
+                     for _, _, path in shown)
 
     def _fd_counts(self) -> bool:
         """Whether this procfs gives a process's count of open fds as its fd directory's size
@@ -552,43 +609,59 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             return None
         return links
 
-    def _files(self, pid: int, fds: dict[int, str] | None, tick: _Tick,
-               table: _FdTable | None = None):
+    def _files(self, pid: int, fds: dict[int, str] | None, tick: _Tick, table: _FdTable):
         """Open files (regular files first, with their fdinfo's position and mode) and TCP
         sockets. The fdinfo of each regular file is read every tick, even for an unchanged
         table: a file description shared with another process (a log inherited across fork)
-        moves when that one writes. When they read as last tick (the same parse, by identity:
-        _kept_parsed) and the table is last tick's, last tick's files are reused."""
+        moves when that one writes. A file whose fdinfo reads as last tick (the same parse, by
+        identity: _kept_parsed) keeps last tick's record; when all do, the table's files are
+        reused whole."""
         if not fds:
             return (), False, ()
-        inodes = procfs.socket_inodes(fds)
+        if table.inodes is None:
+            self._shown(pid, fds, table)
+        inodes = cast("dict[int, int]", table.inodes)
         sockets = self._tcp(pid, inodes, tick, table) if inodes else ()
-        others = [(fd, p) for fd, p in fds.items() if fd not in inodes.values()]
+        if table.infos_tick == tick.number:
+            infos = table.infos  # read by _same_files this tick
+        else:
+            infos = self._fdinfos(pid, table.shown, tick)
+        if table.files and len(infos) == len(table.infos) and all(
+                a is b for a, b in zip(infos, table.infos, strict=True)):
+            return table.files, table.truncated, sockets
+        old, new, files = table.built, {}, []
+        for (fd, path, _), info in zip(table.shown, infos, strict=True):
+            hit = old.get((fd, path))
+            if hit is not None and hit[0] is info:
+                obs = hit[1]
+            else:
+                write = pos = None
+                if info is not None:
+                    pos, flags, _ = cast("tuple[int | None, int | None, int | None]", info)
+                    write = procfs.opened_for_write(flags) if flags is not None else None
+                obs = built(OpenFileObs, {"fd": fd, "path": path, "write": write,
+                                          "pos_bytes": pos})
+            new[(fd, path)] = (info, obs)
+            files.append(obs)
+        table.infos, table.files, table.built = infos, tuple(files), new
+        table.inos = tuple(None if i is None else cast("tuple[int, int, int]", i)[2]
+                           for i in infos)
+        return table.files, table.truncated, sockets
+
+    def _shown(self, pid: int, fds: dict[int, str], table: _FdTable) -> None:
+        """What of a table _files shows, once per table: its sockets, and the fds listed with
+        their fdinfo's path (regular files only)."""
+        inodes = procfs.socket_inodes(fds)
+        sock_fds = set(inodes.values())
+        others = [(fd, p) for fd, p in fds.items() if fd not in sock_fds]
         # Regular files first: a checkpoint being written matters more than the 40 fds every
         # CUDA process holds on /dev/nvidia*, and the cap must not push it out.
         others.sort(key=lambda fp: (not fp[1].startswith("/") or fp[1].startswith("/dev/"), fp[0]))
-        shown = others[:self.max_open_files]
-        infos = tuple(
-            self._kept_parsed(self._paths.pid(pid, f"fdinfo/{fd}"), procfs.parse_fdinfo,
-                              "fdinfo", tick.denied)
-            # kept, like status and io, and released with them when the process leaves
-            if path.startswith("/") and not path.startswith("/dev/") else None
-            for fd, path in shown)
-        if table is not None and table.files and len(infos) == len(table.infos) and all(
-                a is b for a, b in zip(infos, table.infos, strict=True)):
-            return table.files, table.truncated, sockets
-        files = []
-        for (fd, path), info in zip(shown, infos, strict=True):
-            write = pos = None
-            if info is not None:
-                pos, flags = info
-                write = procfs.opened_for_write(flags) if flags is not None else None
-            files.append(built(OpenFileObs, {"fd": fd, "path": path, "write": write,
-                                             "pos_bytes": pos}))
-        out, truncated = tuple(files), len(others) > self.max_open_files
-        if table is not None:
-            table.infos, table.files, table.truncated = infos, out, truncated
-        return out, truncated, sockets
+        table.shown = tuple(
+            (fd, path, self._paths.pid(pid, f"fdinfo/{fd}")
+             if path.startswith("/") and not path.startswith("/dev/") else None)
+            for fd, path in others[:self.max_open_files])
+        table.inodes, table.truncated = inodes, len(others) > self.max_open_files
 
     def _tcp(self, pid: int, inodes: dict[int, int], tick: _Tick,
              table: _FdTable | None = None) -> tuple[SocketObs, ...]:
