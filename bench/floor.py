@@ -8,7 +8,8 @@ Per tick, like stallwatch's probes (no GPU here, no server): the job's descendan
 ran), and for each process of the job's tree its task list, each thread's schedstat and stat (kept
 open, re-read with pread), and for a thread that ran or changed state its status (and wchan,
 syscall, stack, sched when it is off-CPU) — what stallwatch reads since issue 17 — the process's
-status, io, cwd, fd table (readlink of each fd, fdinfo of regular files), the TCP socket tables
+status, io, fdinfo of its regular files, its fd table and cwd (listed, each fd's readlink) when
+the count of open fds moved, when its threads stopped running, or one tick in 8, the TCP socket tables
 when it holds a socket that net/unix does not name; /proc/uptime; the log's new bytes (open,
 fstat, pread from the remembered offset, close);
 /dev/kmsg's new records; mountinfo (kept open, re-read when poll() reports a mount change),
@@ -198,6 +199,9 @@ class Floor:
         self.shm_seen: tuple[int, int] | None = None
         self.full_scan_at = -1e18
         self.kept: dict[str, int] = {}  # path -> descriptor re-read with pread
+        # (pid, start) -> (fd count, read while its threads ran, fd -> link, cwd)
+        self.tables: dict[tuple[int, bytes], tuple[int, bool, dict[str, str], str | None]] = {}
+        self.ticks = 0
         self.kept_read: set[str] = set()
         self.last: dict[str, tuple[bytes | None, bytes]] = {}  # thread dir -> (schedstat, state)
         self.kids: dict[str, tuple[bytes | None, list[int]]] = {}
@@ -275,14 +279,11 @@ class Floor:
             todo += children.get(p, [])
         write_dirs: set[str] = set()
         uptime_read = False
+        tables, self.tables = self.tables, {}  # those of the tree's processes only
         for p in tree:
             d = f"/proc/{p}"
             tids = listdir(f"{d}/task")
-            fds = {}
-            for fd in listdir(f"{d}/fd")[:1024]:
-                link = readlink(f"{d}/fd/{fd}")
-                if link is not None:
-                    fds[fd] = link
+            ran = False
             for t in tids[:512]:
                 td = f"{d}/task/{t}"
                 ss = sched_now[td] if td in sched_now else self.pread(f"{td}/schedstat")
@@ -293,6 +294,7 @@ class Floor:
                 before, self.last[td] = self.last.get(td), (ss, state)
                 if ss is not None and before == (ss, state) and state not in (b"R", b"Z", b"X"):
                     continue  # did not run since the last tick: nothing else can have changed
+                ran = True
                 read(f"{td}/status")
                 if state not in (b"R", b"Z", b"X"):
                     read(f"{td}/wchan")
@@ -304,10 +306,30 @@ class Floor:
                     read(f"{td}/sched")
             read(f"{d}/status")
             read(f"{d}/io")
-            cwd = readlink(f"{d}/cwd")
+            key = (p, starts[p])
+            # The fd table and cwd as the probe reads them (issue 17): listed again when the
+            # count of open fds moves, on the table's turn (one tick in 8), and on the first
+            # tick none of its threads ran after one that some did; else kept.
+            try:
+                count = os.stat(f"{d}/fd").st_size
+            except OSError:
+                count = -1
+            kept_table = tables.get(key)
+            if (kept_table is None or kept_table[0] != count or (p + self.ticks) % 8 == 0
+                    or (kept_table[1] and not ran)):
+                fds = {}
+                for fd in listdir(f"{d}/fd")[:1024]:
+                    link = readlink(f"{d}/fd/{fd}")
+                    if link is not None:
+                        fds[fd] = link
+                cwd = readlink(f"{d}/cwd")
+                stale = False
+            else:
+                _, stale, fds, cwd = kept_table
+                stale = stale or ran
+            self.tables[key] = (count, stale, fds, cwd)
             if cwd:
                 write_dirs.add(cwd)
-            key = (p, starts[p])
             if key not in self.cmdlines:
                 self.cmdlines[key] = read(f"{d}/cmdline") or b""
             socks = {int(v[8:-1]) for v in fds.values() if v.startswith("socket:[")}
@@ -427,6 +449,7 @@ class Floor:
             pass
 
     def tick(self) -> None:
+        self.ticks += 1
         extra = self.tick_processes()
         self.sweep()
         self.last = {k: v for k, v in self.last.items() if f"{k}/stat" in self.kept}
