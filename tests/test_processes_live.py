@@ -608,17 +608,20 @@ def test_new_descendants_found_from_the_kernels_children_lists(tmp_path):
         obs = probe.collect()
         assert kid not in [p.pid for p in obs.processes if p.state != "Z"]
         # and the host is still looked at, a slice a collect (tests/test_tree_slices.py): the
-        # first cycle listed after this point reads every process alive through it
-        host = {int(n) for n in os.listdir("/proc") if n.isdigit()}
-        old, looked = probe._host_pids, None
-        for _ in range(2 * ProcessesProbe.SCAN_SLICES + 1):
-            probe.collect()
-            if looked is None and probe._host_pids is not old:
-                looked = set()
-            if looked is not None:
-                looked.update(probe._host_pids[:probe._host_pos])
-                if probe._host_pos == len(probe._host_pids):
-                    break
-        assert probe._full_scan_mono == full_at and looked is not None
-        still = {int(n) for n in os.listdir("/proc") if n.isdigit()}
-        assert host & still <= looked | {proc.pid}
+        # first cycle listed after this point reads every process born since the last listing
+        other = subprocess.Popen(["sleep", "600"])
+        try:
+            old, looked = probe._host_pids, None
+            for _ in range(2 * ProcessesProbe.SCAN_SLICES + 1):
+                probe.collect()
+                if looked is None and probe._host_pids is not old:
+                    looked = set()
+                if looked is not None:
+                    looked.update(probe._host_pids[:probe._host_pos])
+                    if probe._host_pos == len(probe._host_pids):
+                        break
+            assert probe._full_scan_mono == full_at and looked is not None
+            assert other.pid in looked
+        finally:
+            other.kill()
+            other.wait()

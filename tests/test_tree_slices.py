@@ -1,6 +1,6 @@
 """The processes probe's safety net under the kernel's `children` lists (processes_tree.py): every
-host process is looked at once per cycle, a slice a collect, instead of all of /proc every 10 s
-in one tick (issue 17: that tick was the wide job's p99). A child the lists missed is found by
+host process new since the last listing is looked at once per cycle, a slice a collect, instead
+of all of /proc every 10 s in one tick (issue 17: that tick was the wide job's p99). A child the lists missed is found by
 the slice that holds it, and the whole scan then runs in that tick."""
 
 from __future__ import annotations
@@ -81,31 +81,46 @@ class CountingRoots(Roots):
             self.reads.append(int(parts[2]))
 
 
-def test_each_host_process_is_read_once_a_cycle_in_slices():
-    """A cycle reads each listed process's stat once, in SCAN_SLICES collects of near-equal
-    size; a collect past FULL_SCAN_EVERY_S since the listing reads the rest at once."""
+def test_each_new_host_process_is_read_once_a_cycle_in_slices():
+    """A cycle reads the stat of each process its listing holds and the last one did not, once,
+    in SCAN_SLICES collects of near-equal size; a collect past FULL_SCAN_EVERY_S since the
+    listing reads the rest at once. A process looked at before (here: at the whole scan of the
+    first look) is not read again: its parent changes only when that parent exits."""
     clock = FakeClock()
     with spawned([sys.executable, "-c", PARENT], stdin=subprocess.PIPE) as proc:
         reads: list[int] = []
         probe = ProcessesProbe(Target(pids=(proc.pid,)), roots=CountingRoots(reads=reads), clock=clock)
         probe.collect()
-        reads.clear()
-        sizes = []
-        for _ in range(3):
-            clock.advance(0.5)
-            before = len(reads)
+        before = {int(n) for n in os.listdir("/proc") if n.isdigit()}
+        born = [subprocess.Popen(["sleep", "600"]) for _ in range(12)]
+        try:
+            reads.clear()
+            sizes = []
+            for _ in range(3):
+                clock.advance(0.5)
+                n = len(reads)
+                probe.collect()
+                sizes.append(len(reads) - n)
+            pids = probe._host_pids
+            assert {p.pid for p in born} <= set(pids)
+            assert not set(pids) & before & {int(n) for n in os.listdir("/proc") if n.isdigit()}
+            assert probe._host_pos == min(len(pids), 3 * probe._host_step)
+            assert set(reads) <= set(pids) and len(reads) == len(set(reads))  # each once
+            assert max(sizes) <= probe._host_step
+            clock.advance(ProcessesProbe.FULL_SCAN_EVERY_S)  # the cycle's deadline: the rest now
             probe.collect()
-            sizes.append(len(reads) - before)
-        pids = probe._host_pids
-        assert probe._host_pos == 3 * probe._host_step
-        assert set(reads) <= set(pids) and len(reads) == len(set(reads))  # each once
-        assert max(sizes) <= probe._host_step
-        clock.advance(ProcessesProbe.FULL_SCAN_EVERY_S)  # the cycle's deadline: the rest now
-        probe.collect()
-        assert probe._host_pos == len(pids)
-        alive = {int(n) for n in os.listdir("/proc") if n.isdigit()}
-        missing = (set(pids) & alive) - set(reads) - {proc.pid}
-        assert not missing
+            assert probe._host_pos == len(pids)
+            alive = {int(n) for n in os.listdir("/proc") if n.isdigit()}
+            assert not (set(pids) & alive) - set(reads) - {proc.pid}
+            reads.clear()
+            for _ in range(ProcessesProbe.SCAN_SLICES):  # the next cycle: they are known now
+                clock.advance(0.5)
+                probe.collect()
+            assert not {p.pid for p in born} & set(reads)
+        finally:
+            for p in born:
+                p.kill()
+                p.wait()
 
 
 def test_a_spent_time_budget_sets_off_no_whole_scan_and_a_size_cap_does():

@@ -87,6 +87,16 @@ class Roots:
         except OSError as e:
             _raise_mapped(e, path)
 
+    def listdir_ino(self, path: Path | str) -> list[tuple[str, int]]:
+        """Names with their inode numbers, from the directory entries (no stat of each). A
+        /proc/PID directory's inode is made for its process: a pid reused by another process
+        lists with another number."""
+        try:
+            with os.scandir(path) as entries:
+                return [(e.name, e.inode()) for e in entries]
+        except OSError as e:
+            _raise_mapped(e, path)
+
 
 def read_all(fd: int, limit: int) -> bytes:
     """At most `limit` bytes of an open file from offset 0. One read(2) of a multi-record seq

@@ -63,10 +63,15 @@ class TreeWalk:
     FULL_SCAN_EVERY_S = 10.0
     SCAN_SLICES = 10  # a collect reads this share of the host's stat files (1/SCAN_SLICES)
     # The slice state (class defaults: ProcessesProbe.__init__ need not know them).
-    _host_pids: tuple[int, ...] = ()  # the current cycle's listing of /proc
+    _host_pids: tuple[int, ...] = ()  # the current cycle's processes to look at
     _host_pos: int = 0  # where the next slice starts in it
     _host_step: int = 1  # a slice's length
+    _host_left: int = 0  # collects left in the cycle
     _host_cycle_mono: float = 0.0  # when the listing was taken
+    # (pid, inode of /proc/PID) of every process of the last listing (or whole scan): each was
+    # looked at, and a process's parent changes after its fork only when that parent exits
+    # (reparenting to a subreaper or init): one looked at once is not looked at again.
+    _host_known: frozenset[tuple[int, int]] = frozenset()
 
     def _scan(self, tick: _Tick) -> dict[int, procfs.Stat]:
         now = self.clock.monotonic()
@@ -78,23 +83,37 @@ class TreeWalk:
             if stats is not None and not self._missed_child(stats, now):
                 return stats
         self._full_scan_mono = now
-        self._host_pids, self._host_pos = (), 0  # a new cycle after a whole scan
+        self._host_pids, self._host_pos, self._host_left = (), 0, 0  # a new cycle after it
         return self._scan_all()
 
     def _missed_child(self, stats: dict[int, procfs.Stat], now: float) -> bool:
-        """Read this collect's slice of the host's processes: True when one of them is a child
-        of the tree the walk did not find (then the caller reads all of /proc, which finds its
-        descendants too). The listing is taken once a cycle; a cycle ends after SCAN_SLICES
+        """Read this collect's slice of the host's new processes: True when one of them is a
+        child of the tree the walk did not find (then the caller reads all of /proc, which finds
+        its descendants too). The listing is taken once a cycle; a cycle ends after SCAN_SLICES
         collects or FULL_SCAN_EVERY_S, whichever comes first (a slow interval reads the rest at
-        once), so each process that lived through a cycle was looked at in it, and one born
-        after a listing in the next: within 2 × FULL_SCAN_EVERY_S of its fork at worst."""
-        if self._host_pos >= len(self._host_pids):
-            pids = tuple(int(n) for n in self.roots.listdir(self._paths.root) if n.isdigit())
+        once), so each process born before a listing is looked at in the cycle it starts: within
+        2 × FULL_SCAN_EVERY_S of its fork at worst.
+
+        Only processes that the last listing did not hold are looked at, a process being its
+        /proc directory's (pid, inode): a child the lists missed was forked since (the kernel's
+        lists miss what changes while they are read), and a process already looked at becomes
+        a child of the tree only by reparenting, when its parent exits: to a subreaper above
+        that parent, so in the tree already. On a steady host that is none a collect, instead of
+        a tenth of the host's stat files (issue 17, procs6)."""
+        if self._host_left <= 0:
+            listing = [(int(n), ino) for n, ino in self.roots.listdir_ino(self._paths.root)
+                       if n.isdigit()]
+            known, self._host_known = self._host_known, frozenset(listing)
+            pids = tuple(pid for pid, ino in listing if (pid, ino) not in known)
             self._host_pids, self._host_pos, self._host_cycle_mono = pids, 0, now
             self._host_step = max(1, -(-len(pids) // self.SCAN_SLICES))
+            self._host_left = self.SCAN_SLICES
+        self._host_left -= 1
         pos, pids = self._host_pos, self._host_pids
-        end = (len(pids) if now - self._host_cycle_mono >= self.FULL_SCAN_EVERY_S
-               else pos + self._host_step)
+        if self._host_left <= 0 or now - self._host_cycle_mono >= self.FULL_SCAN_EVERY_S:
+            end, self._host_left = len(pids), 0
+        else:
+            end = min(len(pids), pos + self._host_step)
         self._host_pos = end
         for pid in pids[pos:end]:
             if pid in stats:
@@ -284,7 +303,13 @@ class TreeWalk:
     def _scan_all(self) -> dict[int, procfs.Stat]:
         stats = {}
         cache, self._stat_cache = self._stat_cache, {}
-        for name in self.roots.listdir(self._paths.root):
+        if self._match is None and self._children_readable():  # the slices look at new ones
+            listing = self.roots.listdir_ino(self._paths.root)
+            self._host_known = frozenset((int(n), ino) for n, ino in listing if n.isdigit())
+            names = [n for n, _ in listing]
+        else:
+            names = self.roots.listdir(self._paths.root)
+        for name in names:
             if name.isdigit():
                 st = self._read_stat(int(name), cache)
                 if st is not None:
