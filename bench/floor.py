@@ -3,9 +3,9 @@
 
     python bench/floor.py --pid PID --log LOG --outputs DIR [--interval 1] [--duration S]
 
-Per tick, like stallwatch's probes (no GPU here, no server): the job's descendants (every
-/proc/*/stat every 10 s, in between the kernel's per-thread `children` lists of the threads that
-ran), and for each process of the job's tree its task list, each thread's schedstat and stat (kept
+Per tick, like stallwatch's probes (no GPU here, no server): the job's descendants (the kernel's
+per-thread `children` lists of the threads that ran; every 10 s a listing of /proc with its
+entries' inodes, and the stat of each process new since the last listing), and for each process of the job's tree its task list, each thread's schedstat and stat (kept
 open, re-read with pread), and for a thread that ran or changed state its status (and wchan,
 syscall, stack, sched when it is off-CPU) — what stallwatch reads since issue 17 — the process's
 status, io, fdinfo of its regular files, its fd table and cwd (listed, each fd's readlink) when
@@ -198,6 +198,7 @@ class Floor:
         self.devs_at: dict[str, float] = {}
         self.shm_seen: tuple[int, int] | None = None
         self.full_scan_at = -1e18
+        self.known: set[tuple[str, int]] = set()  # (pid, inode) of /proc's last listing
         self.kept: dict[str, int] = {}  # path -> descriptor re-read with pread
         # (pid, start) -> (fd count, read while its threads ran, fd -> link, cwd)
         self.tables: dict[tuple[int, bytes], tuple[int, bool, dict[str, str], str | None]] = {}
@@ -237,39 +238,35 @@ class Floor:
         sched_now: dict[str, bytes | None] = {}
         now = time.monotonic()
         if now - self.full_scan_at >= self.FULL_SCAN_EVERY_S:
-            # every /proc/*/stat, for the ppids: the way new descendants are found every 10 s
+            # the probe's net under the children lists: /proc listed with its entries' inodes
+            # every 10 s, and the stat (ppid) read of each process the last listing did not hold
             self.full_scan_at = now
-            for name in os.listdir("/proc"):
-                if not name.isdigit():
-                    continue
-                b = read(f"/proc/{name}/stat")
-                if not b:
-                    continue
-                rest = b[b.rfind(b")") + 2:].split()
-                children.setdefault(int(rest[1]), []).append(int(name))
-                starts[int(name)] = rest[19]
-        else:
-            # between scans, the kernel's children lists of the tree's threads
-            todo = [self.pid]
-            while todo:
-                p = todo.pop()
-                if p in starts:
-                    continue
-                b = read(f"/proc/{p}/stat")
-                if not b:
-                    continue
-                starts[p] = b[b.rfind(b")") + 2:].split()[19]
-                for t in listdir(f"/proc/{p}/task"):
-                    td = f"/proc/{p}/task/{t}"
-                    ss = sched_now[td] = self.pread(f"{td}/schedstat")
-                    hit = self.kids.get(td)
-                    if hit is not None and ss is not None and hit[0] == ss:
-                        kids = hit[1]
-                    else:
-                        kids = [int(k) for k in (read(f"{td}/children") or b"").split()]
-                        self.kids[td] = (ss, kids)
-                    children.setdefault(p, []).extend(kids)
-                    todo += kids
+            with os.scandir("/proc") as entries:
+                listing = {(e.name, e.inode()) for e in entries if e.name.isdigit()}
+            for name, _ in listing - self.known:
+                read(f"/proc/{name}/stat")
+            self.known = listing
+        # the kernel's children lists of the tree's threads
+        todo = [self.pid]
+        while todo:
+            p = todo.pop()
+            if p in starts:
+                continue
+            b = read(f"/proc/{p}/stat")
+            if not b:
+                continue
+            starts[p] = b[b.rfind(b")") + 2:].split()[19]
+            for t in listdir(f"/proc/{p}/task"):
+                td = f"/proc/{p}/task/{t}"
+                ss = sched_now[td] = self.pread(f"{td}/schedstat")
+                hit = self.kids.get(td)
+                if hit is not None and ss is not None and hit[0] == ss:
+                    kids = hit[1]
+                else:
+                    kids = [int(k) for k in (read(f"{td}/children") or b"").split()]
+                    self.kids[td] = (ss, kids)
+                children.setdefault(p, []).extend(kids)
+                todo += kids
         tree, todo = [], [self.pid]
         while todo:
             p = todo.pop(0)
