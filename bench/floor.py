@@ -5,11 +5,12 @@
 
 Per tick, like stallwatch's probes (no GPU here, no server): the job's descendants (the kernel's
 per-thread `children` lists of the threads that ran; every 10 s a listing of /proc with its
-entries' inodes, and the stat of each process new since the last listing), and for each process of the job's tree its task list, each thread's schedstat and stat (kept
-open, re-read with pread), and for a thread that ran or changed state its status (and wchan,
-syscall, stack, sched when it is off-CPU) — what stallwatch reads since issue 17 — the process's
-status, io, fdinfo of its regular files, its fd table and cwd (listed, each fd's readlink) when
-the count of open fds moved, when its threads stopped running, or one tick in 8, the TCP socket tables
+entries' inodes, and the stat of each process new since the last listing), and for each process
+of the job's tree its task list, each thread's schedstat and stat (kept open, re-read with
+pread), and for a thread that ran or changed state its status (and wchan, syscall, stack, sched
+when it is off-CPU) — what stallwatch reads since issue 17 — the process's status, io, fdinfo of
+its regular files, its fd table and cwd (listed, each fd's readlink) when the count of open fds
+moved, when its threads stopped running, or one tick in 8, the TCP socket tables
 when it holds a socket that net/unix does not name; /proc/uptime; the log's new bytes (open,
 fstat, pread from the remembered offset, close);
 /dev/kmsg's new records; mountinfo (kept open, re-read when poll() reports a mount change),

@@ -1,7 +1,7 @@
 """The processes probe's safety net under the kernel's `children` lists (processes_tree.py): every
 host process new since the last listing is looked at once per cycle, a slice a collect, instead
-of all of /proc every 10 s in one tick (issue 17: that tick was the wide job's p99). A child the lists missed is found by
-the slice that holds it, and the whole scan then runs in that tick."""
+of all of /proc every 10 s in one tick (issue 17: that tick was the wide job's p99). A child the
+lists missed is found by the slice that holds it, and the whole scan then runs in that tick."""
 
 from __future__ import annotations
 
