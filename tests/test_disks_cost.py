@@ -132,3 +132,31 @@ def test_shm_is_listed_again_only_as_often_as_its_counts_can_matter(tmp_path: Pa
     (shm / "sgl_shm_1").write_bytes(b"x" * 7)  # a segment grows: the directory does not change
     (u,) = probe.collect().paths
     assert (u.sgl_shm_segments, u.sgl_shm_bytes) == (1, 7) and len(listed) == 4
+
+
+def test_an_idle_device_row_is_what_device_io_computes(tmp_path: Path) -> None:
+    """_idle_row hands an unmoved device's row on with this tick's interval: equal to the full
+    computation (fields, types, fields set), tick after tick; a device that moves, or has I/O in
+    flight, takes the full computation again."""
+    from stallwatch.kernel.diskfs import parse_diskstats
+    from stallwatch.probes import disks as disks_mod
+
+    lines = {"sda": "   8       0 sda 100 0 800 10 50 0 400 20 0 30 40 0 0 0 0 0 0",
+             "sdb": "   8      16 sdb 7 0 56 1 0 0 0 0 0 2 1 0 0 0 0 0 0",
+             "sdc": "   8      32 sdc 9 0 72 1 3 0 24 2 2 5 6 0 0 0 0 0 0"}
+    clock = FakeClock(monotonic=5)
+    probe = DisksProbe([], clock=clock, dev_shm=None)
+    known: dict = {}
+    for tick in range(4):
+        if tick == 2:
+            lines["sdb"] = "   8      16 sdb 8 0 64 1 0 0 0 0 0 3 1 0 0 0 0 0 0"  # it moved
+        stats = parse_diskstats("\n".join(lines.values()) + "\n", known)
+        prev, stuck = dict(probe._prev), dict(probe._stuck_since)
+        rows = {r.name: r for r in probe._rates(stats, clock.monotonic(), set())}
+        for name, row in rows.items():
+            want = disks_mod._device_io(stats[name], prev.get(name), clock.monotonic(), dict(stuck))
+            assert row == want and row.model_fields_set == want.model_fields_set, (tick, name)
+            assert list(row.__dict__) == list(want.__dict__) and type(row.interval_s) is type(want.interval_s)
+        assert ("sda" in probe._idle) == (tick >= 1)  # idle from its second read on
+        assert "sdc" not in probe._idle  # two I/Os in flight: never the idle path
+        clock.advance(1 + tick)

@@ -43,6 +43,7 @@ def replay(tmp_path: Path, chunks: list[bytes]) -> tuple[int, int]:
         assert a == b, f"tick {n}: {chunk!r}"
         v = LogObs.model_validate(a.model_dump())  # the unvalidated build equals its validation
         assert a == v and a.model_dump_json() == v.model_dump_json() and repr(a) == repr(v), f"tick {n}"
+        assert list(a.__dict__) == list(LogObs.model_fields), f"tick {n}"  # the declared order
         # nor inside: the bar in view alone is not in the LogObs until a second one appears
         now = clock.monotonic()
         assert fast._bars.observe(now) == full._bars.observe(now), f"tick {n}: {chunk!r}"

@@ -359,3 +359,39 @@ def test_unvalidated_events_equal_their_validation(line):
         {n: type(getattr(again, n)) for n in ProgressEvent.model_fields}
     assert ev.model_dump_json() == again.model_dump_json()
     assert list(ev.__dict__) == list(again.__dict__)  # the declared order: dumps and repr
+
+
+def test_interval_fast_path_reads_as_the_regex_does():
+    """_interval reads MM:SS and H:MM:SS without its regex: every spelling below gives what the
+    regex alone gave (a cut, spaced, day-prefixed or non-ASCII one falls to the regex)."""
+    from stallwatch.probes.text import progress as p
+
+    def by_regex(text):
+        if not text or text.strip() == "?":
+            return None
+        m = p._INTERVAL.fullmatch(text)
+        if not m:
+            return None
+        d, h, mi, s = (int(g) if g else 0 for g in m.groups())
+        return float(((d * 24 + h) * 60 + mi) * 60 + s)
+
+    for text in ["00:00", "03:24", "5896:18:44", "1:02:03", "125:03:04", "1:2:3", "01:2", "1:234",
+                 "12", ":12", "1::12", "1:02:03:04", " 03:24", "03:24 ", "2d, 1:02:03", "2d 03:24",
+                 "?", "", "٣:٢٤", "³:24", "03:2x", "-1:00", "1.5:00", "1:00:00:00", "0:00:00"]:
+        assert p._interval(text) == by_regex(text), text
+
+
+@pytest.mark.parametrize("rate", ["4.71it/s", "?it/s", "2.00s/it", "1.84kit/s", " 19.8MB/s", "x y z", ""])
+@pytest.mark.parametrize("postfix", ["", ", processed=977, skipped=0", ", lst=[1, 2], f=2.5", ",", ", a]b"])
+def test_the_greedy_rate_matches_as_the_lazy_one_did(rate, postfix):
+    """The r_bar's rate group is greedy now: the same match, groups included, as the lazy one."""
+    import re
+
+    from stallwatch.probes.text import progress as p
+
+    lazy = re.compile(p._TQDM_TOTAL.pattern.replace(r"(?P<rate>[^,\]]*)", r"(?P<rate>[^,\]]*?)"))
+    assert lazy.pattern != p._TQDM_TOTAL.pattern
+    for line in (f"d:  1%| | 977/1000 [03:24<56:20, {rate}{postfix}]", f"977/1000 [03:24<?, {rate}{postfix}] tail]",
+                 f"977/1000 [03:24<56:20, {rate}{postfix}"):
+        a, b = p._TQDM_TOTAL.search(line), lazy.search(line)
+        assert (a and (a.span(), a.groupdict())) == (b and (b.span(), b.groupdict())), line

@@ -26,6 +26,7 @@ from stallwatch.kernel.diskfs import (
 )
 from stallwatch.model import Frozen
 from stallwatch.probes.base import HANDOFF_SHARE, Call, Lane, ProbeStatus, field_defaults, made
+from stallwatch.probes.processes_obs import built
 from stallwatch.kernel.roots import DEFAULT_ROOTS, Absent, Denied, Roots, read_all
 
 SHM_PREFIXES = ("sgl_shm",)  # SGLang's leaked sgl_shm_mm_* segments filled /dev/shm (#40723)
@@ -165,6 +166,9 @@ class DisksProbe:
         # tick (issue 17). -1: a fixture tree, whose files are replaced on disk: read by path.
         self._ds_fd: int | None = None
         self._prev: dict[str, tuple[DiskStat, float]] = {}
+        # device -> (its counters, its row's fields over a second) while they stay the same: an
+        # idle device's row differs from one tick to the next by interval_s alone (_idle_row)
+        self._idle: dict[str, tuple[DiskStat, dict[str, Any]]] = {}
         self._stuck_since: dict[str, float] = {}
         # /dev/shm's (dev, ino, mtime_ns) (None: listed too close to its mtime to be trusted),
         # when it was listed (wall ns) and what it held.
@@ -302,14 +306,31 @@ class DisksProbe:
             # Dozens of never-used loop/ram devices would only bloat every trace line. Such a
             # device has nothing in flight, so it is not stuck: no row is built for it (issue 17).
             if name in watched or cur.completed_ios or cur.inflight_ios:
-                out.append(_device_io(cur, prev_t, now, self._stuck_since))
+                if prev_t is not None and prev_t[0] is cur and not cur.inflight_ios and now > prev_t[1]:
+                    out.append(self._idle_row(cur, now - prev_t[1]))
+                else:
+                    out.append(_device_io(cur, prev_t, now, self._stuck_since))
             else:
                 self._stuck_since.pop(name, None)
         if len(self._prev) != len(stats):  # every name in stats is in _prev now: some went
             for gone in set(self._prev) - set(stats):
                 del self._prev[gone]
                 self._stuck_since.pop(gone, None)
+                self._idle.pop(gone, None)
         return out
+
+    def _idle_row(self, cur: DiskStat, dt: float) -> BlockDeviceIO:
+        """_device_io for a device whose counters are the very ones of the last read (the line
+        parsed once, diskfs.parse_diskstats) and with nothing in flight: every rate 0, nothing
+        stuck; only interval_s is this tick's (issue 17: most of a host's devices, every tick).
+        tests/test_disks_cost.py holds it to _device_io."""
+        hit = self._idle.get(cur.name)
+        if hit is None or hit[0] is not cur:
+            hit = self._idle[cur.name] = (cur, dict(_device_io(cur, (cur, 0.0), 1.0, {}).__dict__))
+        self._stuck_since.pop(cur.name, None)
+        values = hit[1].copy()
+        values["interval_s"] = float(dt)
+        return built(BlockDeviceIO, values, set(values))
 
     def _mount_for(self, mounts: list[MountInfo], path: str) -> MountInfo | None:
         """mount_for_path, remembered while the mount table is the one last parsed (the walk

@@ -98,6 +98,12 @@ def _interval(text: str | None) -> float | None:
     """tqdm's [H:]MM:SS (hours unbounded; an optional `Nd ` prefix is accepted too)."""
     if not text or text.strip() == "?":
         return None
+    # tqdm's own MM:SS and H:MM:SS (two a bar line) without the regex: what it matches exactly
+    # (isdecimal is \d; the seconds two digits), anything else goes the regex's way
+    parts = text.split(":")
+    if 2 <= len(parts) <= 3 and len(parts[-1]) == 2 and all(p.isdecimal() for p in parts):
+        secs = int(parts[-2]) * 60 + int(parts[-1])
+        return float(secs + int(parts[0]) * 3600 if len(parts) == 3 else secs)
     m = _INTERVAL.fullmatch(text)
     if not m:
         return None
@@ -113,7 +119,9 @@ _ELAPSED = r"(?:\d+d,?\s*)?(?:\d+:)?\d+:\d\d"
 # brackets (`lst=[1, 2]`).
 _TQDM_TOTAL = re.compile(
     rf"(?P<n>{_SCALED})/(?P<total>{_SCALED})\s*\[(?P<elapsed>{_ELAPSED})<(?P<remaining>{_ELAPSED}|\?)"
-    rf",\s*(?P<rate>[^,\]]*?)(?:,\s*(?P<postfix>.*))?\]"
+    # rate: greedy, which matches as the lazy form did (it cannot hold the `,` or `]` that end
+    # it) without trying the rest of the pattern after each of its characters
+    rf",\s*(?P<rate>[^,\]]*)(?:,\s*(?P<postfix>.*))?\]"
 )
 # No total: `desc: 1234it [00:05, 246.80it/s]`.
 _TQDM_NOTOTAL = re.compile(
