@@ -395,3 +395,20 @@ def test_the_greedy_rate_matches_as_the_lazy_one_did(rate, postfix):
                  f"977/1000 [03:24<56:20, {rate}{postfix}"):
         a, b = p._TQDM_TOTAL.search(line), lazy.search(line)
         assert (a and (a.span(), a.groupdict())) == (b and (b.span(), b.groupdict())), line
+
+
+def test_num_fast_path_reads_as_the_float_path_does():
+    """A plain count of up to 15 ASCII digits is int() at once: float() holds it exactly, so the
+    answer is what the float path gave; longer ones (rounded by float) and others take that path."""
+    from stallwatch.probes.text import progress as p
+
+    for text in ["0", "977", "0012", "999999999999999", "9007199254740993", "12345678901234567891",
+                 "١٢", "1,234", "18.4k", " 12", "12 "]:
+        t = text.strip().replace(",", "").replace("_", "")
+        mult = 1.0
+        if t and t[-1] in "kMGTPEZY":
+            mult, t = p._SI[t[-1]], t[:-1]
+        v = float(t) * mult
+        want = int(v) if v.is_integer() and abs(v) < 2**63 else v
+        got = p._num(text)
+        assert got == want and type(got) is type(want), text

@@ -67,6 +67,8 @@ _SCALED = rf"{_NUM}[kMGTPEZY]?"
 
 def _num(text: str) -> int | float:
     """`18380` → 18380, `18.4k` → 18400, `1,234` → 1234; ints stay ints so JSON shows 18380."""
+    if len(text) <= 15 and text.isdigit() and text.isascii():
+        return int(text)  # a plain count (ten a bar line a tick): exactly what float() gives it
     t = text.strip().replace(",", "").replace("_", "")
     mult = 1.0
     if t and t[-1] in "kMGTPEZY":
