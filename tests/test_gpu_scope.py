@@ -102,3 +102,33 @@ def test_gpu_variables_of_a_handed_on_observation_are_reused_and_equal_a_fresh_b
     assert first == features_gpu._gpu_vars(snaps[1], {os.getpid()}, None)
     other = features(snaps[1].model_copy(update={"gpu": absent.model_copy()}))["gpu"]
     assert other is not first and other == first
+
+
+def test_gpu_variables_stand_while_the_devices_are_the_same_objects():
+    """With NVML each tick's GpuObs is new, but the probe hands on unchanged devices (issue 17):
+    the variables are reused while the devices, the job's pids and the pipeline's GPUs are the
+    same, and equal a fresh build; a changed device, another job or an Xid builds them anew."""
+    from stallwatch.engine import features_gpu
+
+    base = node(job_on=(0, 1))
+    devs = list(base.gpu.devices)
+
+    def tick(devices, xids=(), t=1.0, **kw):
+        gpu = base.gpu.model_copy(update={"devices": list(devices), "xid_events": list(xids),
+                                          "collected_at": t})
+        return base.model_copy(update={"gpu": gpu, "t_wall": base.t_wall + t, **kw})
+
+    a, b = tick(devs, t=1.0), tick(devs, t=2.0)
+    first, second = features(a)["gpu"], features(b)["gpu"]
+    assert second is first and first["job_gpus"] == [0, 1]
+    assert first == features_gpu._gpu_vars(b, {PID}, {0, 1})
+    busier = devs[0].model_copy(update={"util_gpu_pct": 99})
+    changed = features(tick([busier, *devs[1:]], t=3.0))["gpu"]
+    assert changed is not first and changed["util_max_pct"] == 99
+    again = features(tick([busier, *devs[1:]], t=4.0))["gpu"]
+    assert again is changed
+    other_job = features_gpu._gpu(tick([busier, *devs[1:]], t=5.0), {12345}, None)
+    assert other_job is not changed and other_job["job_gpus"] == []
+    xid = XidEventObs(seq=1, gpu_index=0, kind="xid", xid=79, wall_time=base.t_wall)
+    with_xid = features(tick([busier, *devs[1:]], xids=[xid], t=6.0))["gpu"]
+    assert with_xid["xid_recent"] == [{"gpu": 0, "xid": 79, "kind": "xid"}]

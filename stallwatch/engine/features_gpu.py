@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from stallwatch.sglang.titles import parse_title
@@ -54,16 +55,32 @@ def _pcis_of(snap: Snapshot, mine: set[int] | None) -> set[str] | None:
 _NO_GPU_MEMO: tuple[Any, dict[str, Any]] = (None, {})
 
 
+# With NVML the observation is new every tick (its collected_at), but the probe hands on each
+# device's observation while nothing read on it changed (issue 17): without an Xid event the
+# variables depend on nothing but the devices, the status, the job's pids and the pipeline's
+# GPUs, so the last dict stands while those are the same. (devices, pids, mine, variables).
+_DEVICES_MEMO: tuple[Any, Any, Any, dict[str, Any]] = ((), None, None, {})
+
+
 def _gpu(snap: Snapshot, job_pids: set[int], mine: set[int] | None) -> dict[str, Any]:
     """mine: the pipeline's GPUs (_pipeline_gpus), None when unknown."""
-    global _NO_GPU_MEMO
+    global _NO_GPU_MEMO, _DEVICES_MEMO
     g = snap.gpu
     bare = g is not None and not g.devices and not g.xid_events
     if bare and _NO_GPU_MEMO[0] is g:
         return _NO_GPU_MEMO[1]
+    now = g.devices if g is not None else []
+    steady = g is not None and bool(now) and not g.xid_events and g.status == "ok"
+    if steady:
+        devs, pids, m, out = _DEVICES_MEMO
+        if (len(devs) == len(now) and all(map(operator.is_, devs, now))
+                and pids == job_pids and m == mine):
+            return out
     out = _gpu_vars(snap, job_pids, mine)
     if bare:
         _NO_GPU_MEMO = (g, out)
+    elif steady:
+        _DEVICES_MEMO = (tuple(now), frozenset(job_pids), None if mine is None else frozenset(mine), out)
     return out
 
 

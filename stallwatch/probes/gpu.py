@@ -418,7 +418,9 @@ class GpuProbe:
             for k, v in sample.get("errors", {}).items():  # the carried sample's gaps
                 errors.setdefault(k, v)
         if procs is not None:
-            procs = self._with_util(dev, procs, sample)
+            memo = dev.procs_util
+            procs = memo[2] if memo is not None and memo[0] is procs and memo[1] is sample else (
+                self._with_util(dev, procs, sample))
         # Every value read the same as last tick (an idle GPU, a steady one): the very same
         # observation, so nothing is built for it here or downstream (issue 17).
         key = (lost, dev.uuid, dev.name, dev.pci_bus_id, fields, errors)
@@ -441,11 +443,8 @@ class GpuProbe:
         return obs
 
     def _with_util(self, dev: _Device, procs: list[GpuProcessObs], sample: dict[str, Any]) -> list[GpuProcessObs]:
-        """The processes with the slow path's per-process utilisation; the same list while
-        neither changed."""
-        memo = dev.procs_util
-        if memo is not None and memo[0] is procs and memo[1] is sample:
-            return memo[2]
+        """The processes with the slow path's per-process utilisation (kept in dev.procs_util:
+        the same list while neither changed)."""
         util = sample.get("proc_util", {})
         out = [p.model_copy(update=dict(zip(("sm_util_pct", "mem_util_pct"), util[p.pid], strict=True)))
                if p.pid in util else p for p in procs]
@@ -590,8 +589,10 @@ class GpuProbe:
         if mem is not None:
             f["mem_total_bytes"], f["mem_used_bytes"], f["mem_free_bytes"] = (
                 int(_oga(mem, "total")), int(_oga(mem, "used")), int(_oga(mem, "free")))
-            if hasattr(mem, "reserved"):
+            try:  # memory info v2 only; hasattr would go through pynvml's __getattribute__
                 f["mem_reserved_bytes"] = int(_oga(mem, "reserved"))
+            except AttributeError:
+                pass
 
     def _processes(self, dev: _Device, i: int, errors: dict[str, str], k: _Bound) -> list[GpuProcessObs] | None:
         rows: list[tuple[str, Any, Any, Any, Any]] = []
