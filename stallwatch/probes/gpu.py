@@ -203,6 +203,8 @@ def _process_obs(rows: list[tuple[str, Any, Any, Any, Any]], i: int) -> list[Gpu
 @dataclass(frozen=True)
 class _Bound:
     """The fast path's readers (Nvml.reader) and the library's constants, bound once."""
+    count: Any
+    wait: Any
     util: Any
     mem: Any
     mem_v2: Any
@@ -319,7 +321,7 @@ class GpuProbe:
 
     def _collect(self, now: float) -> GpuObs:
         nv = self.nvml
-        status = nv.init()
+        status = OK if nv.status == OK else nv.init()
         if status != OK:
             if (last := self._last) is not None and self._still(last, status):
                 return last  # nothing new: the same object, so what is built from it can be reused
@@ -327,7 +329,10 @@ class GpuProbe:
                           xid_events=list(self._events), xid_events_total=self._seq)
         if self._system is None:
             self._system = self._system_info()
-        count = self._reader("nvmlDeviceGetCount")()
+        k = self._k
+        if k is None:
+            k = self._k = self._bind()
+        count = k.count()
         if count.__class__ is Outcome:
             return GpuObs(status=ProbeStatus.error, error=f"nvmlDeviceGetCount: {count.reason}",
                           collected_at=now, **self._system)
@@ -338,19 +343,20 @@ class GpuProbe:
         slow = self._slow_every_s is not None and math.isfinite(self._slow_every_s) and (
             self._slow_mono is None or mono - self._slow_mono >= self._slow_every_s)
         inline = slow and not self._slow_background
-        devices = [self._device(i, inline, now) for i in range(count)]
+        devices = [self._device(i, inline, now, k) for i in range(count)]
         if slow:
             self._slow_mono = mono
             if self._slow_background:
                 self._start_slow()
-        self._drain(now)
+        self._drain(now, k)
         # Unvalidated (probes/processes_obs.built): our own typed values, a 30-field model
         # validated every tick cost more than the NVML calls (issue 17).
-        return built(GpuObs, {
+        values = {  # every field, in the declared order: built() need not reorder them
             "status": ProbeStatus.ok, **self._system, "device_count": count, "devices": devices,
             "xid_events": list(self._events), "xid_events_total": self._seq,
             "xid_watch": self._xid_watch(), "error": None, "collected_at": now,
-        })
+        }
+        return built(GpuObs, values, set(values))
 
     def _start_slow(self) -> None:
         t = self._slow_thread
@@ -392,7 +398,7 @@ class GpuProbe:
 
     # -- one device -----------------------------------------------------------------------------
 
-    def _device(self, i: int, slow: bool, now: float) -> GpuDeviceObs:
+    def _device(self, i: int, slow: bool, now: float, k: _Bound) -> GpuDeviceObs:
         errors: dict[str, str] = {}
         dev = self._devices.get(i)
         if dev is None:
@@ -407,7 +413,7 @@ class GpuProbe:
         try:
             if dev.uuid is None or dev.name is None or dev.pci_bus_id is None:
                 self._identity(dev, errors)
-            self._fast(dev, i, errors, fields)
+            self._fast(dev, i, errors, fields, k)
             if slow:
                 self._slow(dev, errors, now)
         except _Lost:
@@ -415,8 +421,8 @@ class GpuProbe:
         sample = dev.slow  # once: the background slow path may replace it meanwhile
         procs = fields.pop("processes", None)
         if not slow and sample:
-            for k, v in sample.get("errors", {}).items():  # the carried sample's gaps
-                errors.setdefault(k, v)
+            for key, why in sample.get("errors", {}).items():  # the carried sample's gaps
+                errors.setdefault(key, why)
         if procs is not None:
             memo = dev.procs_util
             procs = memo[2] if memo is not None and memo[0] is procs and memo[1] is sample else (
@@ -427,7 +433,7 @@ class GpuProbe:
         last = dev.last
         if last is not None and last[1] is procs and last[2] is sample and last[0] == key:
             return last[3]
-        obs = built(GpuDeviceObs, {
+        values = {  # every field, in the declared order (**fields only sets values)
             "index": i, "uuid": dev.uuid, "name": dev.name, "pci_bus_id": dev.pci_bus_id, "lost": lost,
             "util_gpu_pct": None, "util_mem_pct": None, "mem_total_bytes": None,
             "mem_used_bytes": None, "mem_free_bytes": None, "mem_reserved_bytes": None,
@@ -438,7 +444,8 @@ class GpuProbe:
             "pcie_tx_bytes_per_s": sample.get("pcie_tx"), "pcie_rx_bytes_per_s": sample.get("pcie_rx"),
             "slow_sampled_at": sample.get("at"), "event_types": list(dev.event_types), "errors": errors,
             **fields,
-        })
+        }
+        obs = built(GpuDeviceObs, values, set(values))
         dev.last = (key, procs, sample, obs)
         return obs
 
@@ -490,14 +497,11 @@ class GpuProbe:
                 bus = getattr(pci, "busId", None)
                 dev.pci_bus_id = bus.decode() if isinstance(bus, bytes) else bus
 
-    def _fast(self, dev: _Device, i: int, errors: dict[str, str], f: dict[str, Any]) -> None:
+    def _fast(self, dev: _Device, i: int, errors: dict[str, str], f: dict[str, Any], k: _Bound) -> None:
         """The reads of every tick, in a fixed order (the order of `errors`, which traces and
         `diagnose` JSON keep). Straight-line on purpose, one bound reader per NVML function
         (Nvml.reader) and the failure handling out of line (_failed): this runs 13 NVML calls
         a GPU a tick, and the frames around them were half the probe's cost (issue 17)."""
-        k = self._k
-        if k is None:
-            k = self._k = self._bind()
         h, unsup = dev.handle, dev.unsupported
         if "utilization" in unsup:
             errors["utilization"] = unsup["utilization"]
@@ -560,6 +564,7 @@ class GpuProbe:
                 ecc.append((f"ecc_{counter}", f"ecc_{counter}_{etype}", getattr(lib, ename),
                             getattr(lib, cname)))
         return _Bound(
+            count=rd("nvmlDeviceGetCount"), wait=rd(_WAIT_FNS),
             util=rd("nvmlDeviceGetUtilizationRates"), mem=rd("nvmlDeviceGetMemoryInfo"),
             mem_v2=self.nvml.const("nvmlMemory_v2"),
             procs=(("compute", "processes_compute", rd(_COMPUTE_PROCS)),
@@ -678,13 +683,13 @@ class GpuProbe:
         dev.event_types = [name for _, name in wanted]
         self._by_handle[_handle_key(dev.handle)] = i
 
-    def _drain(self, now: float) -> None:
+    def _drain(self, now: float, k: _Bound) -> None:
         if self._events_on is None:  # once per set of devices, not every tick
             self._events_on = any(d.event_types for d in self._devices.values())
         if self._event_set is None or not self._events_on:
             return
         self._drain_error = None
-        wait = self._reader(_WAIT_FNS)
+        wait = k.wait
         for _ in range(_MAX_DRAIN):
             out = wait(self._event_set, 0)  # 0 ms: never block the tick
             if out.__class__ is Outcome:
