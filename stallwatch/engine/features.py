@@ -155,7 +155,6 @@ def _pace_text(per_s: float) -> str:
 
 def features(snap: Snapshot) -> dict[str, Any]:
     procs = list(snap.processes.processes) if snap.processes else []
-    threads = [(p, t) for p in procs for t in p.threads]
     threshold, threshold_why = stall_threshold_s(snap)
     server_port = snap.server.port if snap.server else _port_of(snap.target.server)
     job_pids = {p.pid for p in procs}
@@ -166,13 +165,13 @@ def features(snap: Snapshot) -> dict[str, Any]:
         "stall_threshold_s": threshold,
         "stall_threshold_why": threshold_why,
         "job": _job(snap, procs),
-        "proc": _proc(procs, threads),
+        "proc": _proc(procs),
         "log": _log(snap),
         "outputs": _outputs(snap),
         "gpu": _kept("gpu", snap.gpu, (job_pids, mine), snap.gpu is None or not snap.gpu.xid_events,
                      lambda: _gpu(snap, job_pids, mine)),
         "server": {**_server(snap), **_ranks(snap)},
-        "client": _client(procs, threads, server_port),
+        "client": _client(procs, server_port),
         "disk": _disk(snap),
         # With no kernel event the part reads nothing but the observation's status.
         "kernel": _kept("kernel", snap.kernel, (), snap.kernel is None or not snap.kernel.events,

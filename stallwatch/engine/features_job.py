@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import signal as _signal
 from collections import Counter
+from itertools import chain
+from operator import attrgetter
 from typing import Any
 
 from stallwatch.probes.processes import ProcessObs, ThreadObs
@@ -100,8 +102,12 @@ def _thread_dict(p: ProcessObs, t: ThreadObs) -> dict[str, Any]:
     }
 
 
-def _state_of(pt: tuple[ProcessObs, ThreadObs]) -> str:
-    return pt[1].state
+_STATE = attrgetter("state")  # read in C: a wide job's thousand threads, every tick
+
+
+def _threads(procs: list[ProcessObs], state: str) -> list[tuple[ProcessObs, ThreadObs]]:
+    """The job's threads in `state`, with their process, in the processes' order."""
+    return [(p, t) for p in procs for t in p.threads if t.state == state]
 
 
 def _quiet(ctx_unchanged_for_s: float, last_ran_age_s: float | None) -> float:
@@ -109,11 +115,13 @@ def _quiet(ctx_unchanged_for_s: float, last_ran_age_s: float | None) -> float:
     return max(ctx_unchanged_for_s, last_ran_age_s or 0.0)
 
 
-def _proc(procs: list[ProcessObs], threads: list[tuple[ProcessObs, ThreadObs]]) -> dict[str, Any]:
-    # A wide job has a thousand threads, nearly all asleep: one count in C over them all, and a
-    # pass in Python only over the D (and R, for spinning) ones, when there are any.
-    states: dict[str, int] = dict(Counter(map(_state_of, threads)))
-    d = [(p, t) for p, t in threads if t.state == "D"] if "D" in states else []
+def _proc(procs: list[ProcessObs]) -> dict[str, Any]:
+    # A wide job has a thousand threads, nearly all asleep: one count in C over them all (no
+    # (process, thread) pair made for each), and a pass in Python only over the D (and R, for
+    # spinning) ones, when there are any.
+    states: dict[str, int] = dict(Counter(map(_STATE, chain.from_iterable(p.threads for p in procs))))
+    nthreads = sum(states.values())
+    d = _threads(procs, "D") if "D" in states else []
     def stuck(pt: tuple[ProcessObs, ThreadObs]) -> float:
         return _quiet(pt[1].ctx_unchanged_for_s, pt[1].last_ran_age_s)
 
@@ -128,13 +136,14 @@ def _proc(procs: list[ProcessObs], threads: list[tuple[ProcessObs, ThreadObs]]) 
     # The tree is quiet when no thread of it has run: a lower bound from the scheduler works
     # in a one-shot diagnosis, where we have watched for a few seconds only.
     quiet = min((_quiet(p.ctx_unchanged_for_s, p.last_ran_age_s) for p in live), default=0.0)
-    main = next(((p, t) for p, t in threads if p.role == "target" and t.tid == p.pid), None)
+    main = next(((p, t) for p in procs if p.role == "target" for t in p.threads if t.tid == p.pid),
+                None)
     # Only a thread in R can be spinning: runqueue.step ends a stretch (samples 0) at any other
     # state, and a thread off the run queue is never carried over with a stretch of its own.
-    spin = spinning([pt for pt in threads if pt[1].state == "R"]) if "R" in states else []
+    spin = spinning(_threads(procs, "R")) if "R" in states else []
     return {
         "count": len(procs),
-        "threads": len(threads),
+        "threads": nthreads,
         "states": states,
         "states_text": ", ".join(f"{n} {s}" for s, n in sorted(states.items(), key=lambda kv: -kv[1])),
         "main": _thread_dict(*main) if main else _thread_dict_empty(),
@@ -325,8 +334,7 @@ def _woke_for_a_moment(t: ThreadObs) -> bool:
             and (rq is None or rq.runnable_for_s < SPIN_MIN_S))
 
 
-def _client(procs: list[ProcessObs], threads: list[tuple[ProcessObs, ThreadObs]],
-            port: int | None) -> dict[str, Any]:
+def _client(procs: list[ProcessObs], port: int | None) -> dict[str, Any]:
     """Is the job waiting on the server? A thread blocked reading a socket to its port is proof;
     an open connection to it while every thread sleeps in poll/epoll is strong circumstance."""
     out = {"connected": False, "waiting": False, "blocked": False, "how": "", "pid": -1, "tid": -1,
@@ -341,12 +349,15 @@ def _client(procs: list[ProcessObs], threads: list[tuple[ProcessObs, ThreadObs]]
     if not by_fd:
         return out
     out["connected"] = True
-    for p, t in threads:
-        if t.syscall in SOCKET_READ_SYSCALLS and t.syscall_fd is not None and (p.pid, t.syscall_fd) in by_fd:
-            out.update(waiting=True, blocked=True, how="blocked reading the server socket", pid=p.pid, tid=t.tid,
-                       syscall=t.syscall, remote=by_fd[(p.pid, t.syscall_fd)],
-                       quiet_s=_quiet(t.ctx_unchanged_for_s, t.last_ran_age_s))
-            return out
+    reading = next(((p, t) for p in procs for t in p.threads if t.syscall in SOCKET_READ_SYSCALLS
+                    and t.syscall_fd is not None and (p.pid, t.syscall_fd) in by_fd), None)
+    if reading is not None:
+        p, t = reading
+        fd = t.syscall_fd or 0  # not None: the test above
+        out.update(waiting=True, blocked=True, how="blocked reading the server socket", pid=p.pid, tid=t.tid,
+                   syscall=t.syscall, remote=by_fd[(p.pid, fd)],
+                   quiet_s=_quiet(t.ctx_unchanged_for_s, t.last_ran_age_s))
+        return out
     connected = [p for p in procs if any(k[0] == p.pid for k in by_fd)]
     sleeping = [t for p in connected for t in p.threads]
     if sleeping and all(t.state == "S" and (t.syscall or "") in WAIT_SYSCALLS for t in sleeping):
