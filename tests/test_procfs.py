@@ -195,6 +195,17 @@ def test_net_tcp6():
     assert any(s.remote_port == v6 and s.state == "ESTABLISHED" for s in socks)
 
 
+def test_net_tcp_lines_parse_as_the_whole_table():
+    """The processes probe splits a table by inode and parses only its job's sockets' lines:
+    each parses as parse_net_tcp does, for both tables of a real capture."""
+    for name in ("tcp", "tcp6"):
+        table = text("client", f"net/{name}")
+        lines = procfs.net_tcp_lines(table)
+        socks = [s for s in procfs.parse_net_tcp(table) if s.inode]
+        assert socks and {s.inode for s in socks} <= lines.keys()
+        assert all(procfs.parse_tcp_line(lines[s.inode]) == s for s in socks)
+
+
 def test_net_tcp_address_byte_order():
     line = ("  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid"
             "  timeout inode\n"

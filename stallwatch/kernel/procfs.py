@@ -11,6 +11,7 @@ or a wrong file, and the probe runner reports it instead of hiding it.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import os
 import platform
@@ -442,8 +443,10 @@ class TcpSocket:
     inode: int
 
 
+@functools.lru_cache(maxsize=4096)
 def _addr(hexaddr: str, byteorder: str) -> str:
-    # The kernel prints each 32-bit word of the address with %08X in host byte order.
+    # The kernel prints each 32-bit word of the address with %08X in host byte order. Cached:
+    # a host's sockets have few distinct addresses, and ipaddress's rendering is dear.
     raw = bytes.fromhex(hexaddr)
     if byteorder == "little":
         raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
@@ -457,19 +460,39 @@ def parse_net_tcp(text: str, byteorder: str = sys.byteorder) -> tuple[TcpSocket,
         f = line.split()
         if len(f) < 10:
             continue
-        local, remote = f[1].split(":"), f[2].split(":")
-        if len(local) != 2 or len(remote) != 2:
-            raise ValueError(f"not an address:port pair in {line!r}")
-        tx, rx = f[4].split(":")
-        state = int(f[3], 16)
-        out.append(TcpSocket(
-            local_addr=_addr(local[0], byteorder), local_port=int(local[1], 16),
-            remote_addr=_addr(remote[0], byteorder), remote_port=int(remote[1], 16),
-            state=TCP_STATES.get(state, f"0x{state:02X}"),
-            tx_queue_bytes=int(tx, 16), rx_queue_bytes=int(rx, 16),
-            uid=int(f[7]), inode=int(f[9]),
-        ))
+        out.append(_tcp_socket(f, line, byteorder))
     return tuple(out)
+
+
+def net_tcp_lines(text: str) -> dict[int, str]:
+    """inode -> its line, of /proc/net/tcp or tcp6: what parse_tcp_line turns into a TcpSocket,
+    for the few sockets a caller asks about among a server host's thousands."""
+    out = {}
+    for line in text.splitlines()[1:]:
+        f = line.split(None, 10)
+        if len(f) >= 10 and f[9].isdigit():
+            out[int(f[9])] = line
+    return out
+
+
+def parse_tcp_line(line: str, byteorder: str = sys.byteorder) -> TcpSocket:
+    """One line of /proc/net/tcp or tcp6 (net_tcp_lines')."""
+    return _tcp_socket(line.split(), line, byteorder)
+
+
+def _tcp_socket(f: list[str], line: str, byteorder: str) -> TcpSocket:
+    local, remote = f[1].split(":"), f[2].split(":")
+    if len(local) != 2 or len(remote) != 2:
+        raise ValueError(f"not an address:port pair in {line!r}")
+    tx, rx = f[4].split(":")
+    state = int(f[3], 16)
+    return TcpSocket(
+        local_addr=_addr(local[0], byteorder), local_port=int(local[1], 16),
+        remote_addr=_addr(remote[0], byteorder), remote_port=int(remote[1], 16),
+        state=TCP_STATES.get(state, f"0x{state:02X}"),
+        tx_queue_bytes=int(tx, 16), rx_queue_bytes=int(rx, 16),
+        uid=int(f[7]), inode=int(f[9]),
+    )
 
 
 def parse_net_unix_inodes(text: str) -> frozenset[int]:

@@ -685,24 +685,23 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             unix.update(i for i in inodes if i in found)
         if unix.issuperset(inodes):
             return ()
-        socks_by_inode = tick.net.get(ns)
-        if socks_by_inode is None:
-            socks_by_inode = {}
+        lines = tick.net.get(ns)
+        if lines is None:  # inode -> line: only the job's own sockets' lines are parsed
+            lines = {}
             for name in ("tcp", "tcp6"):
-                socks = self._optional(self._paths.pid(pid, f"net/{name}"), procfs.parse_net_tcp, "net",
-                                       tick.denied)
-                socks_by_inode.update((sock.inode, sock) for sock in socks or ())
-            tick.net[ns] = socks_by_inode
+                lines.update(self._optional(self._paths.pid(pid, f"net/{name}"),
+                                            procfs.net_tcp_lines, "net", tick.denied) or ())
+            tick.net[ns] = lines
         if len(tcp) > _MAX_SOCKETS_REMEMBERED:
             tcp.clear()
-        tcp.update(i for i in inodes if i in socks_by_inode)
+        tcp.update(i for i in inodes if i in lines)
         return tuple(
             built(SocketObs, dict(
                 fd=fd, local_addr=s.local_addr, local_port=s.local_port,
                 remote_addr=s.remote_addr, remote_port=s.remote_port, state=s.state,
                 tx_queue_bytes=s.tx_queue_bytes, rx_queue_bytes=s.rx_queue_bytes))
             for inode, fd in sorted(inodes.items(), key=lambda kv: kv[1])
-            if (s := socks_by_inode.get(inode)) is not None
+            if (line := lines.get(inode)) is not None and (s := procfs.parse_tcp_line(line))
         )
 
     # ---------------------------------------------------------------------------------- exits

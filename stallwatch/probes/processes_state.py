@@ -98,7 +98,7 @@ class _ThreadMemo:
 class _Tick:
     now: float
     denied: set[str] = field(default_factory=set)
-    net: dict[str, dict[int, procfs.TcpSocket]] = field(default_factory=dict)
+    net: dict[str, dict[int, str]] = field(default_factory=dict)  # ns -> inode -> net/tcp* line
     unix: dict[str, frozenset[int]] = field(default_factory=dict)  # ns -> net/unix's inodes
     uptime_s: float | None = None
     # Read by the tree walk at the start of the tick, reused by the thread reads after it.
