@@ -90,8 +90,8 @@ def test_each_new_host_process_is_read_once_a_cycle_in_slices():
     with spawned([sys.executable, "-c", PARENT], stdin=subprocess.PIPE) as proc:
         reads: list[int] = []
         probe = ProcessesProbe(Target(pids=(proc.pid,)), roots=CountingRoots(reads=reads), clock=clock)
+        before = {int(n) for n in os.listdir("/proc") if n.isdigit()}  # all in the whole scan
         probe.collect()
-        before = {int(n) for n in os.listdir("/proc") if n.isdigit()}
         born = [subprocess.Popen(["sleep", "600"]) for _ in range(12)]
         try:
             reads.clear()
