@@ -412,3 +412,22 @@ def test_num_fast_path_reads_as_the_float_path_does():
         want = int(v) if v.is_integer() and abs(v) < 2**63 else v
         got = p._num(text)
         assert got == want and type(got) is type(want), text
+
+
+@pytest.mark.parametrize("line", [
+    SPECFORGE, "  0%|          | 0/100 [00:00<?, ?it/s]", "a/b 1/2 977/1000 [03:24<56:20, 1.0it/s]",
+    "x 12.5k/1M [00:01<00:02, 3it/s]", "٣/٤ [00:01<00:02, 3it/s]", "/12/34 [00:01<?, ?it/s]",
+    "no slash [00:01<00:02, 1it/s]", "1/2", "[00:01<00:02, 1it/s] 5/6 [00:03<00:04, 2it/s]",
+    "k.k.5/6 [00:03<00:04, 2it/s]", "M/6 [00:03<00:04, 2it/s]", "",
+])
+def test_the_r_bar_search_from_the_first_slash_finds_what_a_whole_search_finds(line):
+    """_total_from: no _TQDM_TOTAL match can begin before it, so tqdm_done and _parse_tqdm see
+    the same match as a search of the whole line."""
+    from stallwatch.probes.text import progress as p
+
+    whole = p._TQDM_TOTAL.search(line)
+    start = p._total_from(line)
+    cut = p._TQDM_TOTAL.search(line, start) if start >= 0 else None
+    assert (whole and (whole.span(), whole.groupdict())) == (cut and (cut.span(), cut.groupdict()))
+    hinted = bool(p._TQDM_HINT.search(line)) and "/" in line
+    assert whole is None or (hinted and p._TQDM_HINT.search(line, start))
