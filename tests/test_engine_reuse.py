@@ -64,14 +64,26 @@ def test_a_conjunct_that_fails_leaves_the_whole_condition_to_decide(tmp_path) ->
         assert got.errors == full.errors and got.alerts == full.alerts
 
 
-def test_an_unchanged_verdict_is_the_same_object_and_a_changed_one_is_new(tmp_path) -> None:
+def test_an_unchanged_verdict_is_the_same_object_and_a_changed_one_is_new(tmp_path,
+                                                                         monkeypatch) -> None:
     ev = _evaluator(tmp_path)
+    judged: list[int] = []
+    real = Evaluator._verdict
+
+    def counting(self, firing):
+        judged.append(len(firing))
+        return real(self, firing)
+
+    monkeypatch.setattr(Evaluator, "_verdict", counting)
     data = {"job": {"alive": True, "comm": "a"}, "log": {"idle_s": 5}}
     first = ev.evaluate(data, 0.0)
     again = ev.evaluate({**data, "job": {"alive": True, "comm": "a", "other": 1}}, 1.0)
     assert first.verdict.kind == "hang" and again.verdict is first.verdict
+    # the same snapshots: the alerts are not sorted nor the verdict chosen again
+    assert judged == [1] and again.alerts[0] is first.alerts[0]
     moved = ev.evaluate({**data, "log": {"idle_s": 6}}, 2.0)
     assert moved.verdict is not first.verdict and moved.verdict.summary == "no progress for 6 s in a"
+    assert judged == [1, 1] and [a.summary for a in moved.alerts] == ["no progress for 6 s in a"]
     assert ev.evaluate({**data, "log": {"idle_s": 0}}, 3.0).verdict.kind == "unknown"
 
 
