@@ -431,3 +431,13 @@ def test_the_r_bar_search_from_the_first_slash_finds_what_a_whole_search_finds(l
     assert (whole and (whole.span(), whole.groupdict())) == (cut and (cut.span(), cut.groupdict()))
     hinted = bool(p._TQDM_HINT.search(line)) and "/" in line
     assert whole is None or (hinted and p._TQDM_HINT.search(line, start))
+
+
+def test_clean_line_skips_the_control_regex_only_where_it_would_remove_nothing():
+    """clean_line's isprintable() shortcut: every line below cleans as the regex alone cleans it."""
+    from stallwatch.probes.text import progress as p
+
+    for line in ["plain line  ", "tab\there", "nul\x00x", "bel\x07", "del\x7f", "nbsp\xa0 x ", "\x85next",
+                 "emoji 🙂 ", "\u2028sep", "\x1b[31mred\x1b[0m\x01", "trailing\r", ""]:
+        stripped = p._ANSI.sub("", line) if "\x1b" in line else line
+        assert p.clean_line(line) == p._CTRL.sub("", stripped).rstrip(), repr(line)

@@ -237,6 +237,11 @@ class LogFollower:
             self.overlong_lines += 1
 
     def _end_line(self, piece: bytes, res: FollowResult, newline: bool) -> None:
+        if self._dropping is None and not self._partial and len(piece) <= self.max_line_bytes:
+            # a whole line in this read (most): decoded as it is, not through the partial buffer
+            if piece:
+                self._emit(piece.decode("utf-8", "replace"), res, newline)
+            return
         if self._dropping == "cut":
             self._dropping = None
             return
@@ -245,8 +250,11 @@ class LogFollower:
         self._dropping = None
         if self._partial:
             raw = self._partial.decode("utf-8", "replace")
-            line = clean_line(raw)
             self._partial.clear()
-            if line:
-                res.lines.append(line)
-                res.meta.append((cursor_ups(raw) if "\x1b" in raw else 0, newline))
+            self._emit(raw, res, newline)
+
+    def _emit(self, raw: str, res: FollowResult, newline: bool) -> None:
+        line = clean_line(raw)
+        if line:
+            res.lines.append(line)
+            res.meta.append((cursor_ups(raw) if "\x1b" in raw else 0, newline))

@@ -55,6 +55,8 @@ def clean_line(line: str) -> str:
     """Strip terminal escapes and control characters and trailing whitespace."""
     if "\x1b" in line:
         line = _ANSI.sub("", line)
+    if line.isprintable():  # every _CTRL character is unprintable: nothing to remove (most lines)
+        return line.rstrip()
     return _CTRL.sub("", line).rstrip()
 
 
