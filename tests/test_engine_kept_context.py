@@ -8,6 +8,7 @@ from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_engine_unchanged_inputs import _same
 
 import stallwatch.engine.alerting as alerting
 from stallwatch.engine import Evaluator, RuleSet, Vars, load_rules
@@ -38,14 +39,6 @@ def _rules(tmp_path: Path) -> RuleSet:
     path = tmp_path / "r.toml"
     path.write_text(RULES)
     return load_rules([path])
-
-
-def _same(a, b) -> None:
-    assert a.verdict == b.verdict
-    assert a.alerts == b.alerts
-    assert a.transitions == b.transitions
-    assert a.errors == b.errors
-    assert a.health == b.health
 
 
 part = st.one_of(st.none(), st.sampled_from([0, 1, 2]))
