@@ -228,8 +228,17 @@ def python_for(src: Path | None) -> tuple[list[str], dict[str, str]]:
     # GPU host's); only stallwatch trees are swapped.
     keep = [p for p in env.pop("PYTHONPATH", "").split(os.pathsep)
             if p and Path(p).resolve() != ROOT and not (Path(p) / "stallwatch" / "__init__.py").exists()]
-    env["PYTHONPATH"] = os.pathsep.join([str(src if src is not None else ROOT), *keep])
-    return [sys.executable], env
+    if src is None:
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *keep])
+        return [sys.executable], env
+    # Another tree: without site's .pth files (-S), whose editable-install finder would map
+    # stallwatch._rules to THIS checkout's rules/ (a baseline judged by our rules, or refusing
+    # them); the site directories are put back as plain path entries for the dependencies.
+    import site
+
+    sites = [*site.getsitepackages(), site.getusersitepackages()]
+    env["PYTHONPATH"] = os.pathsep.join([str(src), *keep, *sites])
+    return [sys.executable, "-S"], env
 
 
 # --------------------------------------------------------------------------------- CPU meters
