@@ -82,10 +82,9 @@ JOB_EDGES: dict[JobPhase, frozenset[JobPhase]] = {
     # killed for its restart_command
     _J.ATTACHED: frozenset({_J.ATTACHED, _J.RECOVERING}) | _ANYWHERE,
     # each step; a dry run left as it is, or nothing to resume; restarted; gave up; a watched
-    # job whose recovery a daemon restart interrupted is watched again (never resumed); a job
-    # whose work was done but that did not exit (not_exiting), killed and not resumed
+    # job whose recovery a daemon restart interrupted is watched again (never resumed)
     _J.RECOVERING: frozenset({_J.RECOVERING, _J.RUNNING, _J.STARTING, _J.STOPPED,
-                              _J.ATTACHED, _J.FINISHED}) | _ANYWHERE,
+                              _J.ATTACHED}) | _ANYWHERE,
     # its config changed (started afresh); started from the terminal (a dry run's `run`); a
     # watched job a recovery gave up on is watched again by the next daemon
     _J.STOPPED: frozenset({_J.NEW, _J.STARTING, _J.ATTACHED}) | _ANYWHERE,

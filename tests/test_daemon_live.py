@@ -443,29 +443,3 @@ def test_a_hanging_job_gives_one_firing_and_one_resolved_alert(h: Harness, webho
     assert inc["state"] == "resolved" and h.job()["restarts"] == 1
     h.assert_outputs_complete(200)
     assert h.stop(daemon) == 0
-
-
-def test_a_finished_job_that_does_not_exit_is_killed_and_not_resumed(h: Harness, tmp_path: Path) -> None:
-    # The writer writes every sample, says "done" and deadlocks instead of exiting: not_exiting
-    # (exit grace 3 s here, 120 s in production), killed, validated, and left finished. A
-    # restart would run a finished job again.
-    rules = fast_rules(tmp_path / "rules")
-    for f in rules.glob("*.toml"):
-        f.write_text(f.read_text().replace("job.exit_grace_s", "3.0"))
-    h.write_config(["--count", "6", "--interval", "0.1", "--hang-at-exit"], rules=rules,
-                   job="max_restarts = 2\nstartup_grace_s = 2")
-    daemon = h.start()
-    h.wait_phase("finished", 90)
-    job = h.job()
-    assert job is not None and job["restarts"] == 0, job
-    inc, = h.incidents()
-    assert inc["kind"] == "hang" and inc["state"] == "resolved", inc
-    assert json.loads(inc["verdict_json"])["rule"] == "not_exiting", inc["verdict_json"]
-    assert "has done its work (progress complete: 6/6) but has not exited for" in inc["summary"]
-    whats = [a["what"] for a in h.actions() if a["incident_id"] == inc["id"]]
-    assert whats.index("kill") < whats.index("validate") < whats.index("restart"), whats
-    restart, = h.actions("restart")
-    assert restart["outcome"].startswith("not restarted: its progress was complete"), restart
-    assert h.log.read_text().count("pt_writer pid ") == 1  # one run: never started again
-    h.assert_outputs_complete(6)
-    assert h.stop(daemon) == 0

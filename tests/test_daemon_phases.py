@@ -91,14 +91,11 @@ def test_the_docs_show_the_table_of_edges() -> None:
         assert row in text, row
 
 
-@pytest.mark.parametrize(("resume", "quarantined"), [(True, 1), (False, 0), (False, 1)])
-def test_a_recovery_walks_to_done_with_the_actions_it_is_given(db: StateDB, tmp_path: Path,
-                                                               resume: bool, quarantined: int) -> None:
+def test_a_recovery_walks_to_done_with_the_actions_it_is_given(db: StateDB, tmp_path: Path) -> None:
     """The actions arrive through options.Actions (the one seam for fakes): a kill whose senders
-    record what they send (and send it, to a real child), a validation that reports
-    `quarantined` files; the recovery reads both typed and asks its job (a RecoveryHost) for the
-    restart. A job whose work was done (not_exiting: resume=False) is left finished, not
-    restarted, unless the validation moved an output aside (its work is no longer complete)."""
+    record what they send (and send it, to a real child), a validation that reports one
+    quarantined file; the recovery reads both typed and asks its job (a RecoveryHost) for the
+    restart."""
     import functools
     import os
     import signal
@@ -123,23 +120,21 @@ def test_a_recovery_walks_to_done_with_the_actions_it_is_given(db: StateDB, tmp_
     def validate(outputs, since, qdir, **kw):
         validated.append((outputs, qdir, kw["candidates"], kw["dry_run"]))
         return ValidationReport(outputs_dir=str(outputs), quarantine_dir=str(qdir), since_wall=since,
-                                checked=2, valid=2 - quarantined,
-                                quarantined=(Quarantined("a.pt", "q/a.pt", "zip cut short"),)[:quarantined])
+                                checked=2, valid=1,
+                                quarantined=(Quarantined("a.pt", "q/a.pt", "zip cut short"),))
 
     clock = FakeClock()
     db.ensure_job("job", "command", "{}")
     iid, _ = db.open_incident("job", "hang", "hung", {})
     restarted: list[tuple[int, int]] = []
     phases: list[str] = []
-    resolved: list[tuple[int, str]] = []
     job = SimpleNamespace(
         cfg=JobConfig(name="job", command=["true"], outputs=tmp_path / "out", restart="on-failure",
                       restart_backoff_s=1.0),
         dry_run=False, set_phase=lambda phase, detail="", **kw: phases.append(f"{phase}: {detail}"),
         emit_alert=lambda *a, **kw: None, restarts=lambda: 0, restart_streak=lambda: 0,
         restart=lambda attempt, incident: restarted.append((attempt, incident)),
-        resolve_by_restart=lambda incident, attempt: None,
-        resolve_recovered=lambda incident, why: resolved.append((incident, why)))
+        resolve_by_restart=lambda incident, attempt: None)
     actions = Actions(kill=functools.partial(KillOperation, kill=send, killpg=send), validate=validate)
     opts = RecoveryOptions(name="job", clock=clock, db=db, state_dir=tmp_path, evidence_timeout_s=1.0,
                            run_started_wall=None, actions=actions)
@@ -148,7 +143,7 @@ def test_a_recovery_walks_to_done_with_the_actions_it_is_given(db: StateDB, tmp_
         st = proc_state(child.pid)
         assert st is not None
         rec = Recovery(opts, job, iid, "hang", targets=[(child.pid, st[1])], pgid=None,
-                       gpu_pids=set(), candidates=["out/a.pt"], failure_wall=0.0, resume=resume)
+                       gpu_pids=set(), candidates=["out/a.pt"], failure_wall=0.0)
         deadline = time.monotonic() + 20
         while not rec.finished and time.monotonic() < deadline:
             rec.step(None)
@@ -161,22 +156,10 @@ def test_a_recovery_walks_to_done_with_the_actions_it_is_given(db: StateDB, tmp_
     finally:
         child.kill()
         child.wait(10)
+    assert rec.phase is RecoveryPhase.DONE and restarted == [(1, iid)]
     assert validated == [(tmp_path / "out", tmp_path / "quarantine" / "job", ["out/a.pt"], False)]
-    acts = [(a["what"], a["outcome"]) for a in db.actions(iid)]
-    kill = next(o for w, o in acts if w == "kill")
+    acts = {a["what"]: a["outcome"] for a in db.actions(iid)}
     assert sent[0] == (child.pid, signal.SIGTERM) and {p for p, _ in sent} == {child.pid}, sent
-    assert kill.startswith("done: ") and "SIGTERM" in kill, kill
-    validate = [o for w, o in acts if w == "validate"]
-    assert rec.phase is RecoveryPhase.DONE
-    if quarantined:
-        assert validate[0] == "checked 2, valid 1, quarantined 1: a.pt → q/a.pt (zip cut short)"
-        assert restarted == [(1, iid)] and resolved == []
-        assert phases[-1] == "recovering: hang: restart"
-        assert resume or "resumed after all" in validate[1], validate
-        return
-    assert validate == ["checked 2, valid 2, quarantined 0"]
-    assert restarted == [] and resolved == [(iid, "killed after its work was done; not restarted")]
-    assert ("restart", "not restarted: its progress was complete: the work is done, nothing to "
-                       "resume") in acts, acts
-    assert phases[-1] == ("finished: killed after it did not exit; its progress was complete: the "
-                          "work is done, nothing to resume")
+    assert acts["kill"].startswith("done: ") and "SIGTERM" in acts["kill"], acts["kill"]
+    assert acts["validate"] == "checked 2, valid 1, quarantined 1: a.pt → q/a.pt (zip cut short)"
+    assert phases[-1] == "recovering: hang: restart"

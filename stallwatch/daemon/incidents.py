@@ -62,13 +62,9 @@ class JobIncidents(JobState):
     def resolve_by_restart(self, incident_id: int, attempt: int) -> None:
         """The recovery restarted the job: the failed run is gone, so is this incident. If the
         new run fails too, that is a new episode with an alert of its own."""
-        self.resolve_recovered(incident_id, f"restarted (restart {attempt})")
-
-    def resolve_recovered(self, incident_id: int, why: str) -> None:
-        """The recovery ended the incident's cause: restarted, or a finished job killed."""
         for k, inc in list(self.incidents.items()):
             if inc["id"] == incident_id:
-                self._resolve(k, inc, self.clock.time(), why)
+                self._resolve(k, inc, self.clock.time(), f"restarted (restart {attempt})")
 
     def _open_incident(self, kind: str, verdict: Verdict, snap: Any, ev: Evaluation,
                        v: dict[str, Any]) -> None:

@@ -33,10 +33,6 @@ from stallwatch.vocab import JOB_EDGES, RESTART_KINDS, STALL_KINDS, JobPhase, ed
 
 log = logging.getLogger("stallwatch.daemon")
 
-# The rule (rules/20-stalls.toml) of a job whose work was done but that did not exit: killed, not
-# resumed (recovery.Recovery's `resume`).
-NOT_EXITING = "not_exiting"
-
 PID_FILE_MAX_BYTES = 64  # "12345\n" and then some: a pid file is never more
 # While the process the pid file named is alive, the file is re-read this often, not every tick
 # (a read costs a worker-thread handoff: the file is on the job's filesystem, which may hang);
@@ -200,8 +196,7 @@ class JobRun(JobIncidents):
                            incident_id=iid)
         self.recovery = Recovery(self._recovery_options(), self, iid, inc["kind"], targets=targets,
                                  pgid=run.get("pgid") if targets else None, gpu_pids=set(),
-                                 candidates=[], failure_wall=inc["started_at"], resumed=True,
-                                 resume=_rule_of(inc) != NOT_EXITING)
+                                 candidates=[], failure_wall=inc["started_at"], resumed=True)
 
     # ------------------------------------------------------------------------------ spawning
 
@@ -518,8 +513,7 @@ class JobRun(JobIncidents):
                                  pgid=pgid,
                                  gpu_pids=gpu_pids,
                                  candidates=candidates_from(base, self.cfg.outputs),
-                                 failure_wall=snap.t_wall, evidence=inc.get("evidence_future"),
-                                 resume=verdict.rule != NOT_EXITING)
+                                 failure_wall=snap.t_wall, evidence=inc.get("evidence_future"))
 
     def _settle(self, verdict: Verdict) -> None:
         """Terminal phases: a supervised job that ended and will not be restarted."""
@@ -540,11 +534,3 @@ class JobRun(JobIncidents):
             f"{how} with verdict {verdict.kind}: not restarted for that"
         self.set_phase("stopped", why)
         log.warning("job %s: stopped: %s", self.name, why)
-
-
-def _rule_of(incident: dict[str, Any]) -> str:
-    """The rule that opened an incident, from its verdict JSON; "" when unreadable."""
-    try:
-        return str(json.loads(incident.get("verdict_json") or "{}").get("rule") or "")
-    except (ValueError, AttributeError):
-        return ""

@@ -66,8 +66,7 @@ class Recovery:
     def __init__(self, opts: RecoveryOptions, job: RecoveryHost, incident_id: int, kind: str, *,
                  targets: list[tuple[int, int]], pgid: int | None,
                  gpu_pids: set[int], candidates: list[str], failure_wall: float,
-                 evidence: Future | None = None, resumed: bool = False,
-                 resume: bool = True) -> None:
+                 evidence: Future | None = None, resumed: bool = False) -> None:
         self.opts = opts
         self.job = job  # its settings as they are now, its phase, alerts and restart
         self.name = opts.name
@@ -101,10 +100,6 @@ class Recovery:
         self._said: set[str] = set()
         self.dry_run_walked = False
         self.resumed = resumed
-        # False for a job whose work was done but that did not exit (rule not_exiting): killed,
-        # validated, and left finished; restarting it would run a finished job again. A
-        # validation that moves an output aside makes the work unfinished: resumed after all.
-        self.resume = resume
         job.set_phase("recovering", f"{kind}: {self.phase}", recovery_incident=incident_id)
 
     # ---------------------------------------------------------------------------------- utils
@@ -295,16 +290,9 @@ class Recovery:
             self._give_up("broken outputs could not be moved aside (" + "; ".join(errors[:2])
                           + "): resuming would make the job skip them forever")
             return
-        if moved and not self.resume:
-            self.resume = True
-            self._action("validate", f"{len(moved)} output(s) moved aside: the work is not "
-                                     "complete any more, so the job is resumed after all")
         self._enter("backoff")
 
     def _backoff(self, snap: Any) -> None:
-        if not self.resume:
-            self._enter("restart", "its work was done: not resumed")  # no budget, no wait
-            return
         cfg = self.job.cfg
         if self.attempt is None:
             done = self.job.restart_streak()
@@ -325,9 +313,6 @@ class Recovery:
         self._enter("restart")
 
     def _restart(self, snap: Any) -> None:
-        if not self.resume:
-            self._leave_finished()
-            return
         if self.dry_run:
             self._action("restart", f"dry-run: would restart (attempt {self.attempt})",
                          attempt=self.attempt)
@@ -344,25 +329,6 @@ class Recovery:
             return
         self._move(RecoveryPhase.DONE)
         self.job.resolve_by_restart(self.incident_id, self.attempt or 1)
-
-    def _leave_finished(self) -> None:
-        """The job's progress had reached its total and it did not exit: now that it is killed
-        (and its outputs checked), it is finished; there is nothing to resume."""
-        why = "its progress was complete: the work is done, nothing to resume"
-        if self.dry_run:
-            self._action("restart", f"dry-run: would not restart ({why})")
-            self.db.update_incident(self.incident_id, note="dry run: would have killed the job and "
-                                    f"left it finished ({why}); nothing was done")
-            self.job.set_phase("running", "dry run: left as it is", recovery_incident=None)
-            self.dry_run_walked = True
-        else:
-            self._action("restart", f"not restarted: {why}")
-            self.db.update_incident(self.incident_id, note=f"killed after it did not exit; {why}")
-            self.job.set_phase("finished", f"killed after it did not exit; {why}",
-                               recovery_incident=None)
-            self.job.resolve_recovered(self.incident_id, "killed after its work was done; not "
-                                       "restarted")
-        self._move(RecoveryPhase.DONE)
 
     def _give_up(self, why: str, alert: bool = True) -> None:
         note = f"gave up: {why}; the job is left stopped"

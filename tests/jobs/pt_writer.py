@@ -8,15 +8,13 @@ stopped mid-file leaves a truncated file without its central directory.
 
     python pt_writer.py --out DIR --count N [--interval S] [--size BYTES]
         [--deadlock-at I] [--crash-at I] [--crash-always] [--once MARKER] [--chunks K]
-        [--hold-at I --hold-until PATH] [--hang-at-exit]
+        [--hold-at I --hold-until PATH]
 
 Faults:
     --deadlock-at I   half-way through writing file I: flush, then deadlock (two threads, two
                       locks: every thread asleep in futex, no progress, no I/O)
     --crash-at I      half-way through writing file I: raise (exit 1, traceback on stderr)
     --crash-always    crash right after start, before writing anything
-    --hang-at-exit    after the last sample and `done`, deadlock: the work is done, the exit
-                      never comes
     --once MARKER     a fault fires only if MARKER does not exist, and creates it when it fires
                       (so the resumed job does not walk into it again)
 
@@ -89,8 +87,6 @@ def main() -> int:
                     help="every run crashes this long after it starts (after real progress)")
     ap.add_argument("--hold-at", type=int, default=None)
     ap.add_argument("--hold-until", default=None)
-    ap.add_argument("--hang-at-exit", action="store_true",
-                    help="after the last sample and 'done', deadlock instead of exiting")
     args = ap.parse_args()
     started = time.monotonic()
 
@@ -133,8 +129,6 @@ def main() -> int:
               f"[00:00<00:00, {1 / max(args.interval, 1e-3):.2f}it/s, processed={i + 1 - skipped}, "
               f"skipped={skipped}]", file=sys.stderr, flush=True)
     print("done", file=sys.stderr, flush=True)
-    if args.hang_at_exit:
-        deadlock()  # the work is done; the exit never comes (a teardown that waits forever)
     return 0
 
 
