@@ -5,6 +5,7 @@ here), busy and then asleep, and hang by `not_exiting` once the grace and `for` 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -79,12 +80,30 @@ def test_finished_job_is_healthy_exiting_then_hang_not_exiting(tmp_path, monkeyp
     assert exiting, timeline
     # Within the grace: healthy, and it says so; spinning past the cadence threshold is no hang.
     assert all(x[1] == "healthy" for x in after if x[0] < GRACE_S), timeline
-    assert all(f"has finished its work: progress complete ({TOTAL}/{TOTAL}); exiting for " in x[4]
-               for x in exiting), timeline
+    assert all(f"reached the end of its progress ({TOTAL}/{TOTAL}) " in x[4]
+               and x[4].endswith(" s ago: exiting, or starting its next stage") for x in exiting), timeline
     assert any(x[3] > 0 for x in exiting), f"no tick saw the busy exit\n{timeline}"
-    # Past it: hang by not_exiting, saying the work is done and the process has not exited.
+    # Past it: hang by not_exiting, saying what it saw: the end reached, no exit, no next stage.
     kind, rule, summary = seen[-1][1], seen[-1][2], seen[-1][4]
     assert (kind, rule) == ("hang", "not_exiting"), timeline
     assert GRACE_S <= seen[-1][0] <= DEADLINE_S, timeline
-    assert f"has done its work (progress complete: {TOTAL}/{TOTAL}) but has not exited for " in summary
+    assert f"reached the end of its progress ({TOTAL}/{TOTAL}) " in summary
+    assert "s ago and has neither exited nor shown a next stage: " in summary
     assert summary.endswith(": every thread asleep"), summary
+
+
+def test_an_early_bar_at_its_end_is_not_called_the_work_done(tmp_path):
+    # SGLang and transformers print a bar that ends long before the job's work does (a model's
+    # shards loaded); a job stuck right after it is at the end of *a* progress, which the words
+    # must not call finished work (and recovery restarts it as any hang: docs/runbooks/hang.md).
+    log = tmp_path / "job.log"
+    log.write_text("Loading safetensors checkpoint shards: 100% Completed | 4/4 [00:02<00:00,  1.50it/s]\n")
+    with spawned([sys.executable, "-c", "import threading; threading.Event().wait()"]) as p:
+        out = subprocess.run([sys.executable, "-m", "stallwatch", "diagnose", "--pid", str(p.pid),
+                              "--log", str(log), "--window", "1", "--json"],
+                             capture_output=True, text=True, timeout=120)
+    v = json.loads(out.stdout)["verdict"]
+    assert v["kind"] == "healthy", v
+    assert "reached the end of its progress (4/4)" in v["summary"], v["summary"]
+    assert v["summary"].endswith(": exiting, or starting its next stage"), v["summary"]
+    assert "work" not in v["summary"] and "finished" not in v["summary"], v["summary"]

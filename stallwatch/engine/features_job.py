@@ -26,7 +26,9 @@ SOCKET_READ_SYSCALLS = {"recvfrom", "recvmsg", "recvmmsg", "read", "readv"}
 # down, waits at a second barrier and destroys its process groups; a client joins its writer
 # threads and closes its files. Under load that took 24 s (demo5), past the 20 s floor. A rank
 # that never leaves the barrier or the teardown waits --dist-timeout (2000 minutes): two minutes
-# covers every exit seen and still tells the user the same hour, not the next day.
+# covers every exit seen and still tells the user the same hour, not the next day. It is also
+# the stall threshold's default when no cadence is known (features.STALL_DEFAULT_S): a bar that
+# ended early (a model's shards loaded) leaves the next stage's pace unknown, as at the start.
 EXIT_GRACE_S = 120.0
 
 
