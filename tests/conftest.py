@@ -20,6 +20,16 @@ settings.load_profile("stallwatch-random" if os.environ.get("STALLWATCH_FUZZ_RAN
 
 import pytest  # noqa: E402 - after the hypothesis profile, which must be loaded first
 
+# A suite started in the background of a shell without job control (`bash .ci/run &`, nohup)
+# inherits SIGINT ignored, and so would every process a test starts: a Python child then never
+# raises KeyboardInterrupt, and the tests that stop `stallwatch record` with SIGINT or type Ctrl-C
+# at `stallwatch run` wait in vain (seen: six failures in one such run, none in the foreground).
+# A handler (not SIG_IGN) in this process is reset to the default by exec in its children.
+import signal  # noqa: E402
+
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 @pytest.fixture(autouse=True)
 def _reap_what_the_test_started(request):
