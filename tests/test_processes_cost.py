@@ -594,6 +594,43 @@ def test_processes_and_exits_built_unvalidated_equal_their_validation(tmp_path):
     assert isinstance(ex.noticed_at, float) and isinstance(ex.exited_for_s, float)
 
 
+def test_records_are_written_in_their_declared_order_so_built_keeps_the_dict(
+        tmp_path, monkeypatch):
+    """built() uses a dict written in the model's declared field order as it is, and reorders
+    only another (procs7: the reordering, in Python, was a third of its cost). Every record a
+    collect builds is written in that order, so none pays for it; each still gets a fields set
+    of its own."""
+    from stallwatch.probes import processes as processes_mod
+    from stallwatch.probes.processes_obs import OpenFileObs, built
+
+    in_order: list[tuple[str, bool]] = []
+
+    def spy(cls, values, fields_set=None):
+        if fields_set is None:
+            in_order.append((cls.__name__, tuple(values) == tuple(cls.model_fields)))
+        return built(cls, values, fields_set)
+
+    monkeypatch.setattr(processes_mod, "built", spy)
+    monkeypatch.setattr(threads_mod, "built", spy)
+    job = [sys.executable, "-c", "import sys; sys.stdin.readline()"]
+    with open(tmp_path / "out.bin", "wb") as out, \
+            spawned(job, stdin=subprocess.PIPE, stdout=out) as proc:
+        wait_until(lambda: task_state(proc.pid) == "S", what="the job to block in read")
+        probe = ProcessesProbe(Target(pids=(proc.pid,)), clock=FakeClock(monotonic=5))
+        probe.collect()
+        proc.kill()
+        proc.wait()
+        probe.collect()
+    assert {name for name, _ in in_order} >= {
+        "ProcessesObs", "ProcessObs", "ThreadObs", "IoObs", "OpenFileObs", "ExitObs"}
+    assert [name for name, ok in in_order if not ok] == []
+    ordered = {"fd": 3, "path": "/x", "write": True, "pos_bytes": 0}
+    a, b = built(OpenFileObs, ordered), built(OpenFileObs, dict(reversed(ordered.items())))
+    assert a.__dict__ is ordered and list(b.__dict__) == list(ordered) and a == b
+    assert a.__pydantic_fields_set__ == set(ordered)
+    assert a.__pydantic_fields_set__ is not b.__pydantic_fields_set__
+
+
 def test_a_thread_files_bytes_unchanged_since_the_last_tick_are_not_parsed_again(monkeypatch):
     """A thread that wakes every few ms to sleep again is read afresh every tick (it ran), and
     renders the same stack each time: that stack is parsed once, not once a tick, and what is

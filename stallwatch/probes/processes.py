@@ -453,14 +453,14 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             exit_code = procfs.decode_wait_status(st.exit_code)
         files, truncated, sockets = self._files(pid, fds, tick, table)
         return built(ProcessObs, dict(
-            pid=pid, ppid=st.ppid, pgid=st.pgid, sid=st.sid, role=role,
-            uid=status.uid if status else None,
+            pid=pid, ppid=st.ppid, pgid=st.pgid, sid=st.sid,
+            uid=status.uid if status else None, role=role,
             start_ticks=st.start_ticks, start_time=self._start_time(st.start_ticks),
             comm=st.comm, argv=argv, cmdline=" ".join(argv), cwd=cwd,
             state=st.state, state_since_s=now - tr.state_mono,
             d_state_for_s=d_max,
-            ctx_unchanged_for_s=now - tr.ctx_mono, tracked_for_s=now - tr.first_mono,
-            last_ran_age_s=ran,
+            ctx_unchanged_for_s=now - tr.ctx_mono, last_ran_age_s=ran,
+            tracked_for_s=now - tr.first_mono,
             wchan=leader.wchan if leader else None,
             voluntary_ctxt_switches=ctx_v, nonvoluntary_ctxt_switches=ctx_n,
             utime_s=st.utime_ticks / self._tck, stime_s=st.stime_ticks / self._tck,

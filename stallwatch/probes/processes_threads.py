@@ -173,7 +173,7 @@ class ThreadReader:
         sc_fd = sc.args[0] if sc and sc.name in FD_SYSCALLS and sc.args else None
         if sc_fd is not None and sc_fd >= 1 << 31:  # not an fd: AT_FDCWD or garbage
             sc_fd = None
-        obs = built(ThreadObs, dict(  # unvalidated: typed values from our parsers
+        obs = built(ThreadObs, dict(  # unvalidated, in the declared order: see built
             tid=tid, comm=st.comm, state=st.state, state_since_s=now - tr.state_mono,
             d_state_for_s=now - tr.state_mono if st.state == "D" else 0.0,
             ctx_unchanged_for_s=now - tr.ctx_mono,
@@ -183,8 +183,9 @@ class ThreadReader:
             wchan=wchan, syscall=sc.name if sc else None, syscall_nr=sc.nr if sc else None,
             syscall_args=sc.args if sc else (), syscall_fd=sc_fd,
             syscall_file=fds.get(sc_fd) if fds is not None and sc_fd is not None else None,
-            stack=stack, runqueue=runq,
+            stack=stack,
             last_ran_age_s=0.0 if not blocked else self._last_ran_age(ran_up, tick),
+            runqueue=runq,
         ))
         if memo is None or memo.stat.start_ticks != st.start_ticks:
             # First sight, or another task under a reused tid: what was remembered was not its.

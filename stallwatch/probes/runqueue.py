@@ -29,6 +29,12 @@ class RunQueueObs(Frozen):
     user_share: float | None  # of its CPU time, the part in user space (utime / utime + stime)
 
 
+# What every thread out of the run queue reports: one frozen record, shared (a model validated
+# per sleeping thread a tick was a tenth of a narrow job's thread reading, procs7).
+NOT_RUNNABLE = RunQueueObs(runnable_for_s=0.0, samples=0, cpu_share=None, wait_share=None,
+                           user_share=None)
+
+
 @dataclass(slots=True)
 class _Stretch:
     since: float
@@ -55,8 +61,7 @@ class RunQueueTracker:
         s = self._stretches.get(key)
         if state != "R":
             self._stretches.pop(key, None)
-            return RunQueueObs(runnable_for_s=0.0, samples=0, cpu_share=None, wait_share=None,
-                               user_share=None)
+            return NOT_RUNNABLE
         if s is None or s.voluntary != voluntary:
             s = self._stretches[key] = _Stretch(now, now, 1, voluntary, cpu, utime_ticks, sched)
         else:
