@@ -27,7 +27,8 @@ from collections.abc import Callable, Mapping
 from stallwatch.model import Frozen
 from stallwatch.vocab import SEVERITY_RANK
 
-from .expr import ExprError, ExprEvalError, Vars, compile_expr, normalise, renormalise
+from .expr import (ExprError, ExprEvalError, Vars, compile_expr, format_value, normalise,
+                   renormalise)
 from .expr import Expr
 from .inputs import Paths, conjuncts, merge, paths, pick, unchanged
 from .rulefile import Rule, RuleSet
@@ -168,7 +169,11 @@ class _Instance:
     fired_mono: float | None = None
     resolved_mono: float | None = None
     keep_firing_since: float | None = None
+    seen_mono: float = 0.0  # the last evaluation that found its condition true
     text: _Text = field(default_factory=_Text)
+    # While kept firing (condition false, within keep_firing_for): the text of the last true
+    # evaluation, which `text` shows labelled (`_kept_text`); None otherwise.
+    held: _Text | None = None
     shot: Alert | None = None  # snapshot() until the state, the text or the rule changes
 
     def set_text(self, text: _Text) -> None:
@@ -776,9 +781,18 @@ class Evaluator:
                 if now - (inst.resolved_mono or now) > self.resolved_retention_s:
                     del self._active[key]
             elif inst.state == AlertState.FIRING and not keep:
+                if inst.held is not None:  # resolved: the text of its last true evaluation
+                    inst.set_text(inst.held)
+                    inst.held = None
                 transitions.append(_transition(inst, inst.enter(AlertState.RESOLVED, now), now))
+            elif keep:
+                if inst.held is None:
+                    inst.held = inst.text
+                inst.set_text(_kept_text(inst.held, now - inst.seen_mono, rule.keep_firing_for_s))
             return
         inst.keep_firing_since = None
+        inst.seen_mono = now
+        inst.held = None  # (its text was rendered afresh by `_apply`)
         hold = 0.0 if self.ignore_for else rule.for_s
         if inst.state == AlertState.PENDING and now - inst.active_mono >= hold:
             transitions.append(_transition(inst, inst.enter(AlertState.FIRING, now), now))
@@ -824,6 +838,17 @@ def _first_false(conj: tuple[tuple[Expr, Paths], ...], env: Vars, data: dict[str
         if value is not True:
             return None
     return None
+
+
+def _kept_text(held: _Text, age_s: float, keep_s: float) -> _Text:
+    """A firing alert's text while only `keep_firing_for` keeps it (its condition is false):
+    the last true evaluation's, labelled as such. Its words describe a state that held until
+    then; shown bare they would claim it still does (healthy's "is making progress" during the
+    seconds a hang's `for` runs). Evidence, advice and cause stay as they were: the label on
+    the summary says when they were true."""
+    summary = (f"until {format_value(round(age_s, 1))} s ago: {held.summary} (no longer holds; "
+               f"kept firing up to {format_value(keep_s)} s)")
+    return _Text(summary=summary, evidence=held.evidence, advice=held.advice, cause=held.cause)
 
 
 def _render_text(rule: Rule, env: Vars, errors: list[EvalError]) -> _Text:

@@ -28,7 +28,7 @@ _TOP_KEYS = ("rule_files", "test")
 _TEST_KEYS = ("name", "step_s", "once", "allow_eval_errors", "base", "input", "expect")
 _INPUT_KEYS = ("at_s", "repeat", "step_s", "set", "vars", "grow", "unset")
 _STATE_KEYS = ("firing", "pending", "resolved", "not_firing", "warnings")
-_EXPECT_KEYS = ("at_s", "verdict", "cause") + _STATE_KEYS
+_EXPECT_KEYS = ("at_s", "verdict", "cause", "summary") + _STATE_KEYS
 _EPS = 1e-9
 
 
@@ -203,6 +203,8 @@ def _compare(name: str, at: float, exp: dict[str, Any], got: Evaluation) -> list
         fail("verdict", exp["verdict"], got.verdict.kind)
     if "cause" in exp and exp["cause"] != got.verdict.cause:
         fail("cause", exp["cause"], got.verdict.cause)
+    if "summary" in exp and exp["summary"] != got.verdict.summary:
+        fail("summary", exp["summary"], got.verdict.summary)
     firing = got.names(AlertState.FIRING)
     states = {"firing": firing, "pending": got.names(AlertState.PENDING),
               "resolved": got.names(AlertState.RESOLVED),
