@@ -28,6 +28,7 @@ from stallwatch.daemon.state import StateDB
 log = logging.getLogger("stallwatch.daemon")
 
 ANCHOR_SLACK_S = 1.0  # wall anchors recomputed each tick jitter by microseconds; a step is news
+_ROUNDING_S = 0.01  # what rounding anchors to 1 ms and float sums may add to an offset's change
 
 # After this long without a daemon writing its job row, nothing of a job's saved alert state can
 # be restored (`Evaluator.restore` refuses an outage over the tolerance): a removed job's rows are
@@ -54,6 +55,10 @@ class AlertMemory:
         self._alerts: list[dict[str, Any]] | None = None
         self._health: list[dict[str, str]] | None = None
         self._health_seen: tuple[Evaluator, int] | None = None  # and its health_changes then
+        # What `_alerts` was exported from: the evaluator, its export_key() and the offset
+        # between the two clocks then. While all three hold (the offset within the slack), the
+        # docs `export` would give are those written, to the slack: no export is made.
+        self._exported: tuple[Evaluator, tuple[Any, ...], float] | None = None
 
     def restore(self, evaluator: Evaluator, down_wall: float | None, now_wall: float) -> int:
         """Hand the previous daemon's timers to `evaluator`; a row that cannot be read is logged
@@ -75,12 +80,24 @@ class AlertMemory:
         return kept
 
     def save(self, evaluator: Evaluator, now: float, now_wall: float) -> None:
-        docs = evaluator.export(now, now_wall)
-        if self._alerts is None or _moved(self._alerts, docs):
-            self.db.set_metas_later({alerts_key(self.job): json.dumps(docs)})
-            self._alerts = docs
-        last = self._health_seen
-        if last is not None and last[0] is evaluator and last[1] == evaluator.health_changes:
+        key, offset = evaluator.export_key(), now_wall - now
+        last = self._exported
+        # An anchor is offset + a monotonic time, rounded to 1 ms: with the same key, one moves
+        # by the offset's change (and the rounding), so below the slack `_moved` would say no.
+        if not (last is not None and last[0] is evaluator and last[1] == key
+                and abs(offset - last[2]) < ANCHOR_SLACK_S - _ROUNDING_S):
+            docs = evaluator.export(now, now_wall)
+            if (self._alerts is None or last is None or last[1] != key
+                    or _moved(self._alerts, docs)):
+                # (written too when what was restored, or a timer, changed within the slack:
+                # then what is written is known, and what is exported next is compared with it)
+                self.db.set_metas_later({alerts_key(self.job): json.dumps(docs)})
+                self._alerts = docs
+                self._exported = (evaluator, key, offset)
+            else:  # the same timers in another evaluator (a reload): what was written stands
+                self._exported = (evaluator, key, last[2])
+        seen = self._health_seen
+        if seen is not None and seen[0] is evaluator and seen[1] == evaluator.health_changes:
             return  # no rule's health changed since it was last compared and written
         health = [{"rule": h.rule, "health": h.health.value, "last_error": h.last_error}
                   for h in evaluator.health()]
