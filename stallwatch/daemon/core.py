@@ -111,6 +111,7 @@ class Daemon:
         self._write_back_mono = 0.0
         self._pruned_mono: float | None = None  # when saved alert state was last pruned
         self._tick_dur = 0.0  # the last tick's duration (s), for what follows its write
+        self._tick_end_mono = 0.0  # when the last tick's jobs were done (the clock's monotonic)
 
     # ------------------------------------------------------------------------------- control
 
@@ -298,23 +299,28 @@ class Daemon:
         self._after_tick()
 
     def _tick(self) -> None:
-        t0 = self.clock.monotonic()
+        # One clock read a job: a job's tick starts when the one before it ended (issue 17).
+        monotonic, process_time = self.clock.monotonic, time.process_time
+        t0 = t = monotonic()
         for runner in self._due_jobs(t0):
-            t_job, cpu_job = self.clock.monotonic(), time.process_time()
+            cpu_job = process_time()
             try:
                 runner.tick()
             except Exception as e:  # noqa: BLE001 - one job's bug must not stop the others' watch
                 self.tick_errors += 1
                 self._tick_failed(runner.name, e)
             else:
-                self._job_errors.pop(runner.name, None)
-            self._spaced(runner, t_job, self.clock.monotonic(), time.process_time() - cpu_job)
-        if self._db is not None and self._db.degraded:
-            now = self.clock.monotonic()
-            if now - self._write_back_mono >= 10.0:
-                self._write_back_mono = now
-                self.db.write_back()
-        dur = self.clock.monotonic() - t0
+                if self._job_errors:
+                    self._job_errors.pop(runner.name, None)
+            end = monotonic()
+            self._spaced(runner, t, end, process_time() - cpu_job)
+            t = end
+        if self._db is not None and self._db.degraded and t - self._write_back_mono >= 10.0:
+            self._write_back_mono = t
+            self.db.write_back()
+            t = monotonic()
+        dur = t - t0
+        self._tick_end_mono = t
         self.ticks += 1
         try:
             rows = {"last_tick_at": str(self.clock.time()), "tick_duration_s": f"{dur:.4f}",
@@ -335,7 +341,9 @@ class Daemon:
 
     def _after_tick(self) -> None:
         dur = self._tick_dur
-        status = self.summary()
+        # The summary is for systemd's STATUS= and the first tick's log line: not made for a
+        # notifier that sends nothing (no NOTIFY_SOCKET) on every other tick.
+        status = self.summary() if self.ticks == 1 or self.notifier.enabled else ""
         healthy = dur <= self.config.daemon.tick_deadline_s
         if not healthy:
             log.warning("tick took %.1f s (deadline %.1f s): no watchdog ping for it", dur,
@@ -352,8 +360,8 @@ class Daemon:
 
     def _prune_alert_state(self) -> None:
         """Removed jobs' saved alert state, once it can no longer be restored (alertmemory)."""
-        now = self.clock.monotonic()
-        if self.db is None:
+        now = self._tick_end_mono
+        if self._db is None:
             return
         if self._pruned_mono is None or now - self._pruned_mono >= PRUNE_EVERY_S:
             self._pruned_mono = now
@@ -370,7 +378,9 @@ class Daemon:
         """The jobs to tick now, the config's order, those that overran last."""
         limit = self.config.daemon.job_tick_deadline_s
         due = [r for r in self.jobs.values() if r.next_due <= now]
-        return sorted(due, key=lambda r: (r.last_tick_s or 0.0) > limit)
+        if len(due) > 1:  # stable: the config's order within each group
+            due.sort(key=lambda r: (r.last_tick_s or 0.0) > limit)
+        return due
 
     def _spaced(self, runner: JobRunner, start: float, end: float,
                 cpu_s: float | None = None) -> None:

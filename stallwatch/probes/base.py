@@ -7,9 +7,11 @@ probe that fails or hangs becomes evidence and never a crash or a hung tick.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import traceback
+from collections import deque
 from enum import StrEnum
 from typing import Any, Protocol, TypeVar
 
@@ -98,14 +100,12 @@ class ProbeReport(Frozen):
     error: str | None = None
 
 
-_REPORT_DEFAULTS = field_defaults(ProbeReport)
-
-
 def ok_report(name: str, duration_s: float) -> ProbeReport:
     """A run's `ok` report, unvalidated: a str, a member and a float of ours, each tick for every
-    probe (issue 17)."""
-    return made(ProbeReport, _REPORT_DEFAULTS,
-                {"name": name, "status": ProbeStatus.ok, "duration_s": float(duration_s)})
+    probe (issue 17); made() as it would, without its merge of the defaults."""
+    return built(ProbeReport, {"name": name, "status": ProbeStatus.ok,
+                               "duration_s": float(duration_s), "error": None},
+                 {"name", "status", "duration_s"})
 
 
 class Probe(Protocol):
@@ -186,13 +186,13 @@ HANDOFF_SHARE = 0.25
 
 
 class Call:
-    """One call of a batch: claimed by exactly one thread (the lane, or a worker of its own)."""
+    """One call of a batch: run by exactly one thread (the lane, or a worker of its own)."""
 
-    __slots__ = ("name", "fn", "claimed", "done", "value", "error", "started", "finished", "batch")
+    __slots__ = ("name", "fn", "done", "value", "error", "started", "finished", "batch")
 
     def __init__(self, name: str, fn) -> None:
         self.name, self.fn = name, fn
-        self.claimed = self.done = False
+        self.done = False
         self.value: Any = None
         self.error: BaseException | None = None
         self.started: float | None = None
@@ -204,79 +204,95 @@ class Batch:
     """Calls run one after the other by one lane thread, until the batch is handed out: then
     each call not yet begun gets a worker of its own (Lane.hand_out), so a call stuck in the
     kernel delays the others by the handoff, never by its deadline. The batch is done when the
-    last call ends, whoever ran it: a healthy batch costs the waiter one wake, not one a call."""
+    last call ends, whoever ran it: a healthy batch costs the waiter one wake, not one a call.
+
+    No lock a call (issue 17: two a call were most of a healthy batch's own cost): a call is
+    taken with `deque.popleft` and its end counted with `next()` on an itertools.count, each one
+    C call under the GIL, so atomic: each call is run once, and exactly one thread sees the
+    last end."""
 
     def __init__(self, calls: list[Call], clock: Clock) -> None:
         self.calls, self.clock = calls, clock
         for call in calls:
             call.batch = self
-        self._lock = threading.Lock()
+        self._todo = deque(calls)  # the calls no thread has taken yet, in order
+        self._n = len(calls)
+        self._ends = itertools.count(1)
+        self._all_done = not calls
         # Notified as each call ends; made by the first wait_for only (a batch late past its
         # shortest deadline): a healthy batch makes no Condition and notifies none (issue 17).
         self._ended: threading.Condition | None = None
         # Held until the last call ends: a bare lock is the cheapest thing to wait on (an Event
         # makes a Condition and a lock per wait).
         self._pending = threading.Lock()
-        self._left = len(calls)
         self.lane_in: Call | None = None  # the call the lane thread is inside, if any
         if calls:
             self._pending.acquire()
 
     def done(self) -> bool:
-        return self._left == 0
+        return self._all_done
 
     def wait(self, timeout_s: float) -> bool:
         """True once every call has ended; False when `timeout_s` passed first."""
-        if self._left == 0:
+        if self._all_done:
             return True
         if not self._pending.acquire(timeout=max(0.0, timeout_s)):
             return False
         self._pending.release()  # for the next waiter
         return True
 
-    def claim(self, call: Call, by_lane: bool = False) -> bool:
-        with self._lock:
-            if call.claimed:
-                return False
-            call.claimed = True
-            if by_lane:
-                self.lane_in = call
-            return True
+    def take(self) -> Call | None:
+        """The next call no thread has begun (it is the caller's to run), or None."""
+        try:
+            return self._todo.popleft()
+        except IndexError:
+            return None
 
     def wait_for(self, calls: list[Call], timeout_s: float) -> bool:
         """True once each of `calls` has ended (the others may still run)."""
-        with self._lock:
-            if self._ended is None:  # under the lock run() notifies under: no end is missed
-                self._ended = threading.Condition(self._lock)
+        if self._ended is None:
+            # run() sets `done` before it looks for the Condition, and notifies under it: a call
+            # that ends before it exists is seen done by wait_for's first look, none is missed.
+            self._ended = threading.Condition(threading.Lock())
+        with self._ended:
             return self._ended.wait_for(lambda: all(c.done for c in calls), max(0.0, timeout_s))
 
     def run(self, call: Call) -> None:
-        call.started = self.clock.monotonic()
+        monotonic = self.clock.monotonic
+        call.started = monotonic()
         try:
             call.value = call.fn()
         except BaseException as e:  # noqa: BLE001 - every failure becomes its call's result
             call.error = e
-        call.finished = self.clock.monotonic()
-        with self._lock:
-            call.done = True
-            # The batch and its calls refer to each other: a done call lets go of its batch, so
-            # both are freed by their reference counts (the cycle kept each tick's observations,
-            # 1,025 thread records on the wide job, alive until a gen-1 collection: +47 MiB RSS
-            # with daemon/gcpolicy.py's rarer collections). Only a call still running is waited
-            # on through its batch (disks.py).
-            call.batch = None
-            if self.lane_in is call:
-                self.lane_in = None  # before the batch is done: the waiter may hand the lane the next
-            self._left -= 1
-            if self._left == 0:
-                self._pending.release()
-            if self._ended is not None:
-                self._ended.notify_all()
+        call.finished = monotonic()
+        call.done = True
+        # The batch and its calls refer to each other: a done call lets go of its batch, so
+        # both are freed by their reference counts (the cycle kept each tick's observations,
+        # 1,025 thread records on the wide job, alive until a gen-1 collection: +47 MiB RSS
+        # with daemon/gcpolicy.py's rarer collections). Only a call still running is waited
+        # on through its batch (disks.py).
+        call.batch = None
+        if self.lane_in is call:
+            self.lane_in = None  # before the batch is done: the waiter may hand the lane the next
+        if next(self._ends) == self._n:
+            self._all_done = True
+            self._pending.release()
+        ended = self._ended
+        if ended is not None:
+            with ended:
+                ended.notify_all()
 
     def run_lane(self) -> None:
-        for call in self.calls:
-            if self.claim(call, by_lane=True):
-                self.run(call)
+        todo, run = self._todo, self.run
+        while True:
+            try:
+                call = todo.popleft()
+            except IndexError:
+                return
+            # Named the lane's at once after it is taken: the next batch is started (Lane.start
+            # reads this) only after this one is done or handed out, seconds later.
+            self.lane_in = call
+            run(call)
 
 
 class Lane:
@@ -306,9 +322,8 @@ class Lane:
 
     def hand_out(self, batch: Batch) -> None:
         """Each call the lane has not begun runs now in its own worker."""
-        for call in batch.calls:
-            if batch.claim(call):
-                self._workers.submit(call.name, lambda c=call: batch.run(c))
+        while (call := batch.take()) is not None:
+            self._workers.submit(call.name, lambda c=call: batch.run(c))
 
     def retire(self, keep) -> None:
         self._workers.retire(keep)
@@ -356,17 +371,21 @@ class DeadlineRunner:
         """Run the calls in one batch, then take each by its own deadline (from now)."""
         t0 = self._clock.monotonic()
         started: list[tuple[str, Call | None, float]] = []
+        fresh: list[Call] = []
+        inflight = self._inflight
         with self._lock:
             for name, fn, deadline_s in calls:
-                prev = self._inflight.get(name)
-                call = None if prev is not None and not prev.done else Call(name, fn)
-                if call is not None:
-                    self._inflight[name] = call
-                started.append((name, call, deadline_s))
-        batch = self._lane.start([c for _, c, _ in started if c is not None])
+                prev = inflight.get(name)
+                if prev is not None and not prev.done:
+                    started.append((name, None, deadline_s))  # still stuck: `busy`
+                else:
+                    inflight[name] = new = Call(name, fn)
+                    fresh.append(new)
+                    started.append((name, new, deadline_s))
+        batch = self._lane.start(fresh)
         in_time: list[bool] = [False] * len(started)
         if started:
-            shortest = min(d for _, _, d in started)
+            shortest = min([d for _, _, d in started])
             # What is raised while this thread waits (a KeyboardInterrupt: Ctrl-C, or the SIGINT
             # that stops `stallwatch record`) is the caller's and propagates; a probe's own
             # failure is its call's `error`, read in _report.

@@ -35,6 +35,8 @@ from stallwatch.probes.snapshot import PROBE_FIELDS, Snapshot
 from stallwatch.probes.targets import Target
 
 _SNAPSHOT_DEFAULTS = field_defaults(Snapshot)
+# A probe as the tick runs it: (probe, name, snapshot field, its unchanged(), its cannot_block())
+_Planned = tuple[Probe, str, str, Callable[[], bool] | None, Callable[[], bool] | None]
 
 
 class Collector:
@@ -80,6 +82,12 @@ class Collector:
         self.also_got: Any = None  # the answer of the last tick's `also` call (None: not in time)
         # probe name -> (probe, value, final report) of the last tick, for reuse by identity
         self._last: dict[str, tuple[Probe, Any, ProbeReport]] = {}
+        self._plan: list[_Planned] | None = None  # made by the first tick (_make_plan)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in PROBE_FIELDS:  # a probe added or replaced: the tick's list is made again
+            object.__setattr__(self, "_plan", None)
+        object.__setattr__(self, name, value)
 
     def note_exit(self, pid: int, start_ticks: int | None, returncode: int) -> None:
         """The supervisor reaped its child: the probe reports the real exit status."""
@@ -90,14 +98,29 @@ class Collector:
         after it (snapshot.PROBE_FIELDS is the one list of probes)."""
         return [p for name in PROBE_FIELDS if (p := getattr(self, name)) is not None]
 
+    def _make_plan(self) -> list[_Planned]:
+        """The probes but disks, in the snapshot's order, each with its snapshot field and its
+        `unchanged` and `cannot_block` (or None): made once, again when a probe is replaced
+        (__setattr__), not each tick (issue 17)."""
+        plan = [(p, p.name, PROBE_FIELDS[p.name], getattr(p, "unchanged", None),
+                 getattr(p, "cannot_block", None))
+                 for p in self.probes() if p is not self.disks]
+        names = {e[1] for e in plan}
+        for gone in [n for n in self._last if n not in names]:
+            del self._last[gone]
+        object.__setattr__(self, "_plan", plan)
+        return plan
+
     def tick(self, also: tuple[str, Callable[[], Any], float] | None = None) -> Snapshot:
         """One snapshot. `also`, a (name, function, deadline_s) call of the caller's (the pid
         file's re-check), runs last in the same batch, its answer left in `also_got`: its own
         handoff to a thread cost more than its work (issue 17)."""
-        t0 = self.clock.monotonic()
-        probes = [p for p in self.probes() if p is not self.disks]
-        done: dict[str, tuple[Any, ProbeReport]] = {
-            p.name: got for p in probes if (got := self._without_worker(p)) is not None}
+        clock = self.clock
+        t0 = clock.monotonic()
+        plan = self._plan or self._make_plan()
+        last = self._last
+        # Each probe's (value, final report) got without the lane, or None: in the batch.
+        got = [self._without_worker(e, last) for e in plan]
         procs: list[ProcessesObs] = []
         # Held until the processes probe's call ends: a bare lock is the cheapest thing to wait
         # on (an Event makes a Condition and a lock per tick).
@@ -123,50 +146,58 @@ class Collector:
             self.disks.paths = _disk_paths(self._static_paths, procs[0] if procs else None)
             return self.disks.collect()
 
-        batch = [(p.name, processes if p is self.processes else p.collect, self.deadline_s)
-                 for p in probes if p.name not in done]
+        deadline_s, processes_probe = self.deadline_s, self.processes
+        batch = [(e[1], processes if e[0] is processes_probe else e[0].collect, deadline_s)
+                 for e, g in zip(plan, got, strict=True) if g is None]
         # Its own statvfs deadline (and a second) after the processes probe's, as when it ran
         # after the others: a slow processes probe must not leave it no time.
-        batch.append((self.disks.name, disks, self.deadline_s + self.disks.statvfs_deadline_s + 1.0))
+        batch.append((self.disks.name, disks, deadline_s + self.disks.statvfs_deadline_s + 1.0))
         if also is not None:
             batch.append(also)
-        ran = dict(zip([c[0] for c in batch], self.runner.call_many(batch), strict=True))
-        self.also_got = ran[also[0]][0] if also is not None else None
-        results = {p.name: done[p.name] if p.name in done
-                   else (ran[p.name][0], report_for_observation(ran[p.name][1], ran[p.name][0]))
-                   for p in probes}
-        self._last = {p.name: (p, *results[p.name]) for p in probes}
-        value, report = ran[self.disks.name]
-        results[self.disks.name] = (value, report_for_observation(report, value))
-        self._find_server_log(results.get("server_processes", (None,))[0])
+        ran = iter(self.runner.call_many(batch))
         # Unvalidated: every part is a model built by a probe or a float of the clock, and
         # validating them again cost more than the rest of the tick's own work (issue 17;
         # test_collector checks it equals a validated build).
-        values: dict[str, Any] = {
-            "t_mono": float(t0), "t_wall": float(self.clock.time()), "host": self.host,
-            "target": self.target, "probes": tuple(report for _, report in results.values()),
-            "tick_duration_s": float(self.clock.monotonic() - t0)}
-        for name, (value, _) in results.items():
-            values[PROBE_FIELDS[name]] = value
+        values: dict[str, Any] = {"t_mono": float(t0), "host": self.host, "target": self.target}
+        reports: list[ProbeReport] = []
+        for e, g in zip(plan, got, strict=True):
+            if g is None:
+                value, report = next(ran)
+                report = report_for_observation(report, value)
+            else:
+                value, report = g
+            last[e[1]] = (e[0], value, report)
+            values[e[2]] = value
+            reports.append(report)
+        value, report = next(ran)
+        report = report_for_observation(report, value)
+        values["disks"] = value
+        reports.append(report)
+        self.also_got = next(ran)[0] if also is not None else None
+        if self.server_log is not None:
+            self._find_server_log(values.get("server_processes"))
+        values["t_wall"] = float(clock.time())
+        values["probes"] = tuple(reports)
+        values["tick_duration_s"] = float(clock.monotonic() - t0)
         return made(Snapshot, _SNAPSHOT_DEFAULTS, values)
 
-    def _without_worker(self, p: Probe) -> tuple[Any, ProbeReport] | None:
+    def _without_worker(self, e: _Planned, last: dict[str, tuple[Probe, Any, ProbeReport]]
+                        ) -> tuple[Any, ProbeReport] | None:
         """A probe's (value, report) got without the lane: the last ones again when the probe
         says nothing it reads can have changed (gpu without NVML and no retry due, kmsg with
         nothing waiting after a tick that read nothing), its collect()
         run here when it cannot block (kmsg on /dev/kmsg): handing a call to a thread costs
         more than its work (issue 17). None: the probe goes in the batch."""
-        last = self._last.get(p.name)
-        if last is not None and (last[0] is not p or last[1] is None):
+        p, name, _, unchanged, cannot_block = e
+        prev = last.get(name)
+        if prev is not None and (prev[0] is not p or prev[1] is None):
             # The probe was replaced (a resumed kmsg cursor), or its last run failed or was late:
             # no observation of it to hand on.
-            last = None
-        unchanged = getattr(p, "unchanged", None)
-        if last is not None and unchanged is not None and unchanged():
-            return last[1], last[2]
-        cannot_block = getattr(p, "cannot_block", None)
+            prev = None
+        if prev is not None and unchanged is not None and unchanged():
+            return prev[1], prev[2]
         if cannot_block is not None and cannot_block():
-            return run_inline(p.name, p.collect, self.clock, last and (last[1], last[2]))
+            return run_inline(name, p.collect, self.clock, prev and (prev[1], prev[2]))
         return None
 
     def _find_server_log(self, sp: ProcessesObs | None) -> None:
