@@ -393,6 +393,9 @@ class Daemon:
         runner.last_tick_s = took
         deadline_s = self.config.daemon.job_tick_deadline_s
         over = took > deadline_s
+        if not over:  # the usual
+            runner.overruns, runner.next_due = 0, 0.0
+            return
         costly = over and (cpu_s is None or cpu_s > deadline_s)
         runner.overruns = runner.overruns + 1 if costly else 0
         snap = runner.last_snap

@@ -37,6 +37,7 @@ import sqlite3
 import stat
 import time
 from contextlib import contextmanager
+from itertools import chain
 from pathlib import Path
 from typing import Any
 from collections.abc import Iterator, Mapping
@@ -420,7 +421,7 @@ class StateDB:
             c.execute(_update_sql(tuple(fields)), (*fields.values(), name))
         if self._held_meta:  # one statement for them all: each is another trip into sqlite
             c.execute(_set_metas_sql(len(self._held_meta)),
-                      tuple(x for kv in self._held_meta.items() for x in kv))
+                      tuple(chain.from_iterable(self._held_meta.items())))
 
     def _rollback(self) -> None:
         try:

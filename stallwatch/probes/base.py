@@ -175,6 +175,8 @@ class Workers:
 
     def retire(self, keep) -> None:
         """Stop the workers whose name is not in `keep` (they finish their call first)."""
+        if not self._workers:  # the usual: none was ever handed a call (one read, no lock)
+            return
         with self._lock:
             gone = [self._workers.pop(n) for n in [n for n in self._workers if n not in keep]]
         for w in gone:
@@ -391,7 +393,9 @@ class DeadlineRunner:
             # failure is its call's `error`, read in _report.
             self._lane.wait(batch, t0 + HANDOFF_SHARE * shortest, t0 + shortest)
             if batch.done():  # all ended within the shortest deadline: each in time (the usual)
-                return [self._report(name, call, deadline_s, t0, call is not None)
+                return [(call.value, ok_report(name, (call.finished or t0) - t0))
+                        if call is not None and call.error is None  # _report's usual answer
+                        else self._report(name, call, deadline_s, t0, call is not None)
                         for name, call, deadline_s in started]
             for deadline_s in sorted({d for _, _, d in started}):  # each call, at its deadline
                 if deadline_s > shortest:  # wait on for the calls with this deadline or longer

@@ -18,7 +18,8 @@ from typing import Any
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.probes.base import (
-    DeadlineRunner, Probe, ProbeReport, field_defaults, made, report_for_observation, run_inline,
+    DeadlineRunner, Probe, ProbeReport, ProbeStatus, field_defaults, made, report_for_observation,
+    run_inline,
 )
 from stallwatch.probes.disks import DisksProbe
 from stallwatch.probes.gpu import GpuProbe
@@ -83,6 +84,7 @@ class Collector:
         # probe name -> (probe, value, final report) of the last tick, for reuse by identity
         self._last: dict[str, tuple[Probe, Any, ProbeReport]] = {}
         self._plan: list[_Planned] | None = None  # made by the first tick (_make_plan)
+        self._disk_paths_memo: tuple[tuple, list[str]] | None = None  # (its key, the paths)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in PROBE_FIELDS:  # a probe added or replaced: the tick's list is made again
@@ -119,8 +121,10 @@ class Collector:
         t0 = clock.monotonic()
         plan = self._plan or self._make_plan()
         last = self._last
-        # Each probe's (value, final report) got without the lane, or None: in the batch.
-        got = [self._without_worker(e, last) for e in plan]
+        # Each probe's (value, final report) got without the lane, or None: in the batch (a
+        # probe with neither hook always is).
+        got = [None if e[3] is None and e[4] is None else self._without_worker(e, last)
+               for e in plan]
         procs: list[ProcessesObs] = []
         # Held until the processes probe's call ends: a bare lock is the cheapest thing to wait
         # on (an Event makes a Condition and a lock per tick).
@@ -143,7 +147,7 @@ class Collector:
             if not procs_busy and procs_ran.acquire(
                     timeout=max(0.0, t0 + self.deadline_s - self.clock.monotonic())):
                 procs_ran.release()
-            self.disks.paths = _disk_paths(self._static_paths, procs[0] if procs else None)
+            self.disks.paths = self._disk_paths(procs[0] if procs else None)
             return self.disks.collect()
 
         deadline_s, processes_probe = self.deadline_s, self.processes
@@ -159,18 +163,21 @@ class Collector:
         # validating them again cost more than the rest of the tick's own work (issue 17;
         # test_collector checks it equals a validated build).
         values: dict[str, Any] = {"t_mono": float(t0), "host": self.host, "target": self.target}
+        ok = ProbeStatus.ok
         reports: list[ProbeReport] = []
         for e, g in zip(plan, got, strict=True):
             if g is None:
                 value, report = next(ran)
-                report = report_for_observation(report, value)
+                if getattr(value, "status", ok) is not ok:  # else report_for_observation's answer
+                    report = report_for_observation(report, value)
             else:
                 value, report = g
             last[e[1]] = (e[0], value, report)
             values[e[2]] = value
             reports.append(report)
         value, report = next(ran)
-        report = report_for_observation(report, value)
+        if getattr(value, "status", ok) is not ok:
+            report = report_for_observation(report, value)
         values["disks"] = value
         reports.append(report)
         self.also_got = next(ran)[0] if also is not None else None
@@ -199,6 +206,18 @@ class Collector:
         if cannot_block is not None and cannot_block():
             return run_inline(name, p.collect, self.clock, prev and (prev[1], prev[2]))
         return None
+
+    def _disk_paths(self, procs: ProcessesObs | None) -> list[str]:
+        """_disk_paths of the static paths and `procs`, the last list again while each process's
+        cwd and open files are those of last tick (the files' tuple is kept by identity while
+        the fd table stands: then its comparison is one identity test, issue 17)."""
+        key = tuple([(p.cwd, p.open_files) for p in procs.processes]) if procs else ()
+        memo = self._disk_paths_memo
+        if memo is not None and memo[0] == key:
+            return memo[1]
+        paths = _disk_paths(self._static_paths, procs)
+        self._disk_paths_memo = (key, paths)
+        return paths
 
     def _find_server_log(self, sp: ProcessesObs | None) -> None:
         """No server_log configured: the listening process's stdout/stderr, when a file. And
