@@ -325,6 +325,52 @@ def test_daemon_metrics_adapter_reads_the_daemon(tmp_path):
     assert DaemonMetrics.from_config(NS(metrics_listen="0.0.0.0:9835")) is None  # refused, logged
 
 
+def test_daemon_metrics_read_restarts_again_only_after_a_commit(tmp_path, monkeypatch):
+    """The restart counts are read from the state database once, then again only after it
+    committed a transaction (a quiet tick reads none), and always show what it holds; the GPU
+    views are made again only for another GPU observation (the probe hands the same one on)."""
+    from types import SimpleNamespace as NS
+
+    import stallwatch.daemon.metrics_export as me
+    from stallwatch.daemon.metrics_export import DaemonMetrics
+    from stallwatch.daemon.state import StateDB
+
+    db = StateDB.open(tmp_path / "lane7-state")
+    db.ensure_job("a", "command", "{}")
+    reads = []
+
+    def restarts() -> int:
+        reads.append("restarts")
+        return int(db.existing_job("a")["restarts"])
+
+    made = []
+    real_from_obs = me.GpuView.from_obs
+    monkeypatch.setattr(me.GpuView, "from_obs", lambda obs: made.append(obs) or real_from_obs(obs))
+    gpu = NS(devices=(NS(index=0, uuid="GPU-1", name="H200", util_gpu_pct=50, mem_used_bytes=1,
+                         mem_total_bytes=2, lost=False, processes=()),))
+    snap = NS(probes=(), gpu=gpu, log=None, processes=None, t_wall=time.time())
+    r = NS(name="a", phase="running", verdict=NS(kind="healthy"), last_snap=snap, last_eval=None,
+           incidents={}, restarts=restarts, restart_streak=restarts, watch_warnings=[],
+           cfg=NS(restart="on-failure", max_restarts=3))
+    daemon = NS(jobs={"a": r}, db=db, dispatcher=None)
+    m = DaemonMetrics(MetricsExporter(), DaemonStats(interval_s=1.0))
+    try:
+        m.tick(daemon, 0.01)
+        m.tick(daemon, 0.01)
+        assert len(reads) == 2 and len(made) == 1  # read and made once for the two ticks
+        db.update_job("a", restarts=2)  # a commit: read again, and the metric follows
+        m.tick(daemon, 0.01)
+        assert len(reads) == 4
+        assert value(samples(m.exporter.render()), "stallwatch_job_restarts_total", job="a") == 2
+        r.last_snap = NS(probes=(), gpu=NS(devices=()), log=None, processes=None, t_wall=1.0)
+        m.tick(daemon, 0.01)
+        assert len(made) == 2 and m._failures == 0
+        assert "stallwatch_gpu_utilization_ratio" not in samples(m.exporter.render())
+    finally:
+        m.close()
+        db.close()
+
+
 # ------------------------------------------------------------------------- listen addresses
 
 @pytest.mark.parametrize("listen, want", [

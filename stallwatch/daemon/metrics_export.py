@@ -389,6 +389,13 @@ class DaemonMetrics:
         self._seen_snaps: dict[str, int] = {}  # job -> id() of the last snapshot counted
         self._incidents: dict[str, tuple[frozenset[int], float, dict[str, int]]] = {}
         self._gave_up: dict[str, tuple[str, int, bool]] = {}
+        # job -> (db.commits, restarts, restart streak) when they were read: two queries a job
+        # a tick otherwise (three statements: the job's row twice, the streak's meta row)
+        self._restart_counts: dict[str, tuple[int, int, int]] = {}
+        # the GPU observation last made into views, and those views: the gpu probe hands the same
+        # object on while nothing changed (issue 17)
+        self._gpu_obs: Any = None
+        self._gpu_views: tuple[GpuView, ...] = ()
         self._failures = 0
 
     @classmethod
@@ -443,14 +450,17 @@ class DaemonMetrics:
             if snap is not None and gpu_obs is None and snap.gpu is not None:
                 gpu_obs = snap.gpu
             views.append(self._job_view(r, snap, db))
-        self._seen_snaps = {k: v for k, v in self._seen_snaps.items()
-                            if k in {r.name for r in runners}}
+        if len(self._seen_snaps) > len(runners):  # a job removed by a reload
+            names = {r.name for r in runners}
+            self._seen_snaps = {k: v for k, v in self._seen_snaps.items() if k in names}
         self.stats.tick(duration_s, reports)
         if rule_errors:
             self.stats.rule_error(rule_errors)
         disp = daemon.dispatcher
         deliveries = deliveries_from_status(disp.status()) if disp is not None else {}
-        view = self.stats.view(gpus=GpuView.from_obs(gpu_obs))
+        if gpu_obs is not self._gpu_obs:
+            self._gpu_obs, self._gpu_views = gpu_obs, GpuView.from_obs(gpu_obs)
+        view = self.stats.view(gpus=self._gpu_views)
         if deliveries:
             view = view.model_copy(update={"alert_deliveries": deliveries})
         self.exporter.update(views, view)
@@ -460,15 +470,27 @@ class DaemonMetrics:
         if kind not in VERDICT_KINDS:
             kind = "unknown"
         phase = r.phase
-        restarts = int(r.restarts())
+        restarts, streak = self._restarts(r, db)
         state = phase if phase in JOB_STATES else "stopped"
         if phase == "stopped" and self._is_gave_up(r.name, phase, restarts, db):
             state = "gave_up"
         max_r = r.cfg.max_restarts if r.cfg.restart != "no" else None
         return JobView.from_snapshot(r.name, snap, kind=kind, state=state, restarts=restarts,
-                                     max_restarts=max_r, restart_streak=int(r.restart_streak()),
+                                     max_restarts=max_r, restart_streak=streak,
                                      incidents=self._incident_counts(r, db),
                                      watch_warnings=len(r.watch_warnings))
+
+    def _restarts(self, r: MetricsJob, db: MetricsDB | None) -> tuple[int, int]:
+        """The job's (restarts, restart streak), read again only when the state database
+        committed a transaction since (StateDB.commits): never, on a quiet tick."""
+        commits = getattr(db, "commits", None)
+        cached = self._restart_counts.get(r.name)
+        if commits is not None and cached is not None and cached[0] == commits:
+            return cached[1], cached[2]
+        restarts, streak = int(r.restarts()), int(r.restart_streak())
+        if commits is not None:
+            self._restart_counts[r.name] = (commits, restarts, streak)
+        return restarts, streak
 
     def _incident_counts(self, r: MetricsJob, db: MetricsDB | None) -> dict[str, int]:
         """By kind, from the state database; re-read when a new incident opens (every new one

@@ -186,6 +186,10 @@ class StateDB:
         self._holding_ctx = _Holding(self)
         self._held_jobs: dict[str, dict[str, Any]] = {}
         self._held_meta: dict[str, str | None] = {}
+        # Transactions committed by `tx` (every write but the held rows' flush): what was read
+        # of a phase, a restart count or a restart streak still holds while it is the same, for
+        # those are never held (metrics_export.py reads them so, not by a query a tick).
+        self.commits = 0
 
     # ------------------------------------------------------------------------------ opening
 
@@ -359,6 +363,7 @@ class StateDB:
         except BaseException:
             self._rollback()  # never leave a transaction open: every later BEGIN would fail
             raise
+        self.commits += 1
         # Committed with it (nothing is held while a transaction is open: see `_hold`).
         self._held_jobs.clear()
         self._held_meta.clear()
