@@ -107,22 +107,29 @@ def _vars_of_traces(every: int = 25, only: str = "*"):
 def test_the_batched_texts_are_those_rendered_placeholder_by_placeholder() -> None:
     from stallwatch.engine import diagnose
     from stallwatch.engine.alerting import _render_text
-    from stallwatch.engine.textbatch import compile_batch, render_batch
+    from stallwatch.engine.expr import normalise
+    from stallwatch.engine.textbatch import compile_batch, plain_paths, render_batch
 
     rules = list(diagnose.load(None))
     batches = {r.name: compile_batch(r) for r in rules}
+    # and less the placeholders that are paths alone, read from the variables instead
+    plains = {r.name: plain_paths(r) for r in rules}
+    leans = {r.name: compile_batch(r, plains[r.name]) for r in rules}
+    assert sum(len(p) for p in plains.values()) > 40  # most evidence details
     # every default rule but those looping over a list (`each`) has one
     assert {n for n, b in batches.items() if b is None} == {
         r.name for r in rules if any(ev.each is not None for ev in r.evidence)}
     batched = failed = 0
     for _, v in _vars_of_traces():
-        env = Vars(v)
+        env, plain = Vars(v), normalise(v)
         for rule in rules:
             if batches[rule.name] is None:
                 continue
             errors: list = []
             one_by_one = _render_text(rule, env, errors)
             got = render_batch(rule, batches[rule.name], env)
+            lean = render_batch(rule, leans[rule.name], env, plains[rule.name], plain)
+            assert lean == got, rule.name
             if errors:  # a placeholder failed: so does the batch, and the usual way says which
                 assert got is None, rule.name
                 failed += 1
@@ -145,6 +152,24 @@ def test_a_batch_that_fails_falls_back_to_the_placeholders_and_their_errors(tmp_
     assert [(e.signal, e.detail) for e in out.verdict.evidence] == [
         ("x", "{?job.nope}"), ("y", "idle 5")]
     assert [(e.rule, e.where) for e in out.errors] == [("stall", "evidence[0]")]
+
+
+def test_a_path_alone_whose_value_cel_would_not_give_back_as_is_renders_the_usual_way(
+        tmp_path) -> None:
+    # A list (a map's order is CEL's), a missing key, a path through a list: the texts and
+    # errors of rendering placeholder by placeholder, as before the paths were read directly.
+    ev = _evaluator(tmp_path, RULE + 'evidence = [{ signal = "x", detail = "pids {job.pids}" },\n'
+                    '  { signal = "y", detail = "{job.pids.first}" },\n'
+                    '  { signal = "z", detail = "at {log.where}" }]\n')
+    data = {"job": {"alive": True, "comm": "a", "pids": [3, 4]}, "log": {"idle_s": 5}}
+    out = ev.evaluate(data, 0.0)
+    assert [(e.signal, e.detail) for e in out.verdict.evidence] == [
+        ("x", "pids 3, 4"), ("y", "{?job.pids.first}"), ("z", "at {?log.where}")]
+    assert [(e.rule, e.where) for e in out.errors] == [("stall", "evidence[1]"),
+                                                       ("stall", "evidence[2]")]
+    again = ev.evaluate({**data, "log": {"idle_s": 6, "where": "x"}}, 1.0)
+    assert [(e.signal, e.detail) for e in again.verdict.evidence] == [
+        ("x", "pids 3, 4"), ("y", "{?job.pids.first}"), ("z", "at x")]
 
 
 def test_the_healthy_rules_texts_take_one_cel_run(monkeypatch) -> None:
@@ -220,7 +245,8 @@ def test_a_true_rule_evaluated_again_takes_one_run_for_its_condition_and_texts(
     monkeypatch.setattr(Expr, "evaluate", counting)
     out = ev.evaluate({**data, "log": {"idle_s": 6}}, 1.0)
     [both] = ran  # was the condition, then the texts (one run each since the batch, more before)
-    assert "job.alive && log.idle_s > 3" in both and "log.idle_s" in both.split("?", 1)[1]
+    # (the summary's placeholders are paths alone, read from the variables: textbatch.plain_paths)
+    assert "job.alive && log.idle_s > 3" in both and both.endswith("? [] : false)")
     assert out.verdict.summary == "no progress for 6 s in a" and out.errors == ()
     ran.clear()
     assert ev.evaluate({**data, "log": {"idle_s": 1}}, 2.0).verdict.kind == "unknown"

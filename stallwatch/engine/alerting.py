@@ -32,7 +32,7 @@ from .expr import (ExprError, ExprEvalError, Vars, compile_expr, format_value, n
 from .expr import Expr
 from .inputs import Paths, conjuncts, merge, paths, pick, unchanged
 from .rulefile import Rule, RuleSet
-from .textbatch import compile_batch, fill_batch, render_batch
+from .textbatch import Plain, compile_batch, fill_batch, plain_paths, render_batch
 
 __all__ = [
     "Alert", "AlertState", "EvalError", "Evaluation", "Evaluator", "EvidenceItem",
@@ -230,9 +230,14 @@ class _Reads:
     every: Paths
     # The condition's `&&` conjuncts, each with what it and those before it read
     conj: tuple[tuple[Expr, Paths], ...] = ()
+    # What a CEL context must hold for the condition, labels and texts when the placeholders
+    # of `plain` are read from the variables (textbatch.plain_paths); `every` without them
+    ctx: Paths = field(default_factory=dict)
+    plain: Plain = field(default_factory=dict)
 
 
 def _reads(rule: Rule) -> _Reads:
+    plain = plain_paths(rule) if all(ev.each is None for ev in rule.evidence) else {}
     exprs = [e for _, tpl in rule.labels for e in tpl.exprs] + list(rule.summary.exprs)
     for ev in rule.evidence:
         exprs += [*ev.detail.exprs, *(x for x in (ev.each, ev.when) if x is not None)]
@@ -244,7 +249,9 @@ def _reads(rule: Rule) -> _Reads:
     for c in conjuncts(rule.condition):
         upto = merge(upto, paths([c]))
         conj.append((c, upto))
-    return _Reads(cond, text, merge(cond, text), tuple(conj))
+    every = merge(cond, text)
+    ctx = merge(cond, paths([e for e in exprs if e not in plain])) if plain else every
+    return _Reads(cond, text, every, tuple(conj), ctx, plain)
 
 
 _Key = tuple[str, tuple[tuple[str, str], ...]]
@@ -281,6 +288,7 @@ class Evaluator:
         self._health_shot: tuple[int, tuple[RuleStatus, ...]] | None = None
         self._probes: dict[str, Expr | None] = {}  # rule name -> _conj_probe
         self._batches: dict[str, Expr | None] = {}  # rule name -> textbatch.compile_batch
+        self._leans: dict[str, Expr | None] = {}  # the same less its plain placeholders
         self._boths: dict[str, Expr | None] = {}  # rule name -> _both
         # (rule, context, values): the texts' values `_fresh` got with the condition
         self._ready: tuple[Rule, Vars, Any] | None = None  # rule name -> textbatch.compile_batch
@@ -291,6 +299,7 @@ class Evaluator:
         # The last tick's snapshots (in `_active`'s order) and the alerts, verdict and warnings
         # made of them: reused while every snapshot is the same object (`_Instance.shot`).
         self._shots: tuple[list[Alert], tuple[Alert, ...], Verdict, tuple[Alert, ...]] | None = None
+        self._perm: tuple[tuple[_Key, ...], list[int]] | None = None  # `_active`'s keys, sorted
         # The context of the last tick's fresh rules, kept for the next (`_env`): the roots in it
         # that are current as of that tick, with the slice (trie) each holds, and every root it
         # holds at all (a stale one may only be left where no rule of the tick reads it).
@@ -418,8 +427,16 @@ class Evaluator:
             # sorted alerts, the verdict and the warnings made of them.
             alerts, verdict, warnings = last[1], last[2], last[3]
         else:
-            alerts = tuple(sorted(shots, key=lambda a: (self._order[a.rule],
-                                                        sorted(a.labels.items()))))
+            # Sorted by rule-file order, then labels: a function of the instances' keys alone,
+            # so the order found for the same keys is reused (the healthy rule's text, and so
+            # its snapshot, changes every tick; the instances do not).
+            keys = tuple(self._active)
+            perm = self._perm[1] if self._perm is not None and self._perm[0] == keys else None
+            if perm is None:
+                perm = sorted(range(len(keys)), key=lambda i: (self._order[keys[i][0]],
+                                                               sorted(keys[i][1])))
+                self._perm = (keys, perm)
+            alerts = tuple([shots[i] for i in perm])
             firing = [a for a in alerts if a.state == AlertState.FIRING]
             verdict = self._verdict([a for a in firing if not a.warning])
             warnings = tuple(a for a in firing if a.warning)
@@ -547,7 +564,7 @@ class Evaluator:
             texts: list[_Text] = []
 
             def text(rule: Rule = rule, texts: list[_Text] = texts, env: Vars = use) -> _Text:
-                texts.append(self._text(rule, env, errors))
+                texts.append(self._text(rule, env, errors, data))
                 return texts[-1]
 
             self._apply(rule, active, labels, text, now, transitions)
@@ -635,7 +652,7 @@ class Evaluator:
         if not active:  # (lean: _first_false found no prefix in the same context)
             return False, (), env, None if lean else self._first_false(rule, env, data)
         if lean:  # true now: its labels and texts read more than its condition
-            wide = self._context(pick(data, reads.every), errors)
+            wide = self._context(pick(data, reads.ctx), errors)
             if wide is None:
                 return None
             env = wide
@@ -673,10 +690,17 @@ class Evaluator:
             self._batches[rule.name] = compile_batch(rule)
         return self._batches[rule.name]
 
+    def _lean(self, rule: Rule) -> Expr | None:
+        """The batch less the placeholders read from the variables (`_Reads.plain`)."""
+        if rule.name not in self._leans:
+            plain = self._reads[rule.name].plain
+            self._leans[rule.name] = compile_batch(rule, plain) if plain else self._batch(rule)
+        return self._leans[rule.name]
+
     def _both(self, rule: Rule) -> Expr | None:
         """`(condition) ? [the texts' values] : false`, compiled once; None without a batch."""
         if rule.name not in self._boths:
-            batch = self._batch(rule)
+            batch = self._lean(rule)
             both = None
             if batch is not None:
                 try:
@@ -686,17 +710,26 @@ class Evaluator:
             self._boths[rule.name] = both
         return self._boths[rule.name]
 
-    def _text(self, rule: Rule, env: Vars, errors: list[EvalError]) -> _Text:
+    def _text(self, rule: Rule, env: Vars, errors: list[EvalError],
+              data: dict[str, Any] | None = None) -> _Text:
         """The rule's texts: from one CEL run where that runs without error (textbatch.py;
         the values `_fresh` got with the condition, when it did), else placeholder by
-        placeholder, each failure reported."""
+        placeholder, each failure reported.
+
+        With `data` (the variables `env` was sliced from: `_Reads.ctx`), the plain
+        placeholders are read from it; placeholder by placeholder, the context then takes
+        all that the texts read (`_Reads.every`), as it always did."""
         ready, self._ready = self._ready, None
-        batch = self._batch(rule)
+        plain = self._reads[rule.name].plain if data is not None else None
+        batch = self._lean(rule) if data is not None else self._batch(rule)
         if ready is not None and ready[0] is rule and ready[1] is env:
-            got = fill_batch(rule, ready[2])
+            got = fill_batch(rule, ready[2], plain, data)
         else:
-            got = render_batch(rule, batch, env) if batch is not None else None
+            got = render_batch(rule, batch, env, plain, data) if batch is not None else None
         if got is None:
+            if plain:
+                wide = self._context(pick(data, self._reads[rule.name].every), [])  # type: ignore[arg-type]
+                env = wide if wide is not None else env
             return _render_text(rule, env, errors)
         summary, evidence, advice, cause = got
         return _Text(summary=summary,
@@ -710,7 +743,7 @@ class Evaluator:
             union = {}
             for name in names:
                 reads = self._reads[name]
-                union = merge(union, reads.cond if name in lean else reads.every)
+                union = merge(union, reads.cond if name in lean else reads.ctx)
             if len(self._unions) > 64:
                 self._unions.clear()
             self._unions[(names, lean)] = union
