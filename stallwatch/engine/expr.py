@@ -301,14 +301,18 @@ def renormalise(value: dict[str, Any], prev: dict[str, Any] | None, odd: list,
     same: dict[str, Any] = {}
     last: dict[str, Any] = prev if prev is not None else {}
     for k, v in value.items():
-        if type(k) is not str:
-            odd.append(type(k))
-        elif not k.isascii():
-            k = safe_text(k)
         p = last.get(k, _MISSING)
+        if p is _MISSING or type(k) is not str:  # (a key of `last` is valid text already)
+            if type(k) is not str:
+                odd.append(type(k))
+            elif not k.isascii():
+                k = safe_text(k)
+                p = last.get(k, _MISSING)
         tv = type(v)
-        if tv is float or tv is bool or v is None or (tv is str and v.isascii()):
-            # a plain leaf, most of what a tick brings: compared as below, in one step
+        if tv is float or tv is bool or v is None or (
+                tv is str and ((type(p) is str and p == v) or v.isascii())):
+            # a plain leaf, most of what a tick brings: compared as below, in one step (a
+            # string equal to last tick's is valid text: that one was normalised)
             if type(p) is tv and p == v:
                 out[k] = p
                 same[k] = None
