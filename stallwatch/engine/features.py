@@ -21,11 +21,13 @@ from typing import Any
 from collections.abc import Callable
 
 from stallwatch.engine.serverfate import server_busy, server_fate
+from stallwatch.probes.base import ProbeReport
+from stallwatch.probes.processes import ProcessObs
 from stallwatch.probes.snapshot import Snapshot
 from stallwatch.engine.features_text import human_bytes, human_s
-from stallwatch.engine.features_job import _client, _job, _job_ranks, _port_of, _proc
+from stallwatch.engine.features_job import _client, _job_all, _port_of, _proc
 from stallwatch.engine.features_gpu import _gpu, _pcis_of, _pipeline_gpus, _ranks, _server
-from stallwatch.engine.features_io import _bar_vars, _disk, _io_place, _kernel, _log, _outputs
+from stallwatch.engine.features_io import _bar_vars, _disk, _kernel, _log, _outputs
 
 __all__ = ["ACTIVITY_WINDOW_S", "CADENCE_MIN_SAMPLES", "STALL_FLOOR_S", "features", "human_bytes",
            "human_s", "known_rate", "pace", "stall_threshold_s"]
@@ -156,38 +158,76 @@ def _pace_text(per_s: float) -> str:
 def features(snap: Snapshot) -> dict[str, Any]:
     procs = list(snap.processes.processes) if snap.processes else []
     threshold, threshold_why = stall_threshold_s(snap)
-    server_port = snap.server.port if snap.server else _port_of(snap.target.server)
     job_pids = {p.pid for p in procs}
     mine = _pipeline_gpus(snap, job_pids)  # the GPUs gpu_fault looks at (None: all of them)
-    status = {r.name: r.status.value for r in snap.probes}  # an Enum's .value is a slow lookup
+    status, errors = _probes(snap.probes)
+    # Built in dependency order, then assembled in the variables' order (which the JSON keeps).
+    log = _log(snap)
+    log["pace"] = pace(snap, *known_rate(snap))
+    log.update(_bar_vars(snap, threshold))
+    proc = _proc(procs)
+    server, client = _server_client(snap, procs)
     v: dict[str, Any] = {
         "now_wall": snap.t_wall,
         "stall_threshold_s": threshold,
         "stall_threshold_why": threshold_why,
-        "job": _job(snap, procs),
-        "proc": _proc(procs),
-        "log": _log(snap),
+        "job": _job_all(snap, procs, log),
+        "proc": proc,
+        "log": log,
         "outputs": _outputs(snap),
         "gpu": _kept("gpu", snap.gpu, (job_pids, mine), snap.gpu is None or not snap.gpu.xid_events,
                      lambda: _gpu(snap, job_pids, mine)),
-        "server": {**_server(snap), **_ranks(snap)},
-        "client": _client(procs, server_port),
-        "disk": _disk(snap),
+        "server": server,
+        "client": client,
+        "disk": _disk(snap, proc["d"]["file"]),
         # With no kernel event the part reads nothing but the observation's status.
         "kernel": _kept("kernel", snap.kernel, (), snap.kernel is None or not snap.kernel.events,
                         lambda: _kernel(snap, procs, _pcis_of(snap, mine))),
         "probes": status,
-        "probe_errors": [f"{r.name}: {status[r.name]}: {r.error}" for r in snap.probes
-                         if status[r.name] not in ("ok", "absent") and r.error],
+        "probe_errors": errors,
     }
-    v["log"]["pace"] = pace(snap, *known_rate(snap))
-    v["log"].update(_bar_vars(snap, threshold))
-    v["job"].update(_job_ranks(procs, v["log"], f"{v['job']['comm']} (pid {v['job']['pid']})"))
-    v["server"].update(server_fate(snap, v["server"], v["client"]))
-    v["server"]["busy"] = server_busy(v["server"], v["client"])
-    v["disk"].update(_io_place(snap, v["proc"]["d"]["file"]))
     v["activity"] = _activity(v)
     return v
+
+
+def _probes(reports: tuple[ProbeReport, ...]) -> tuple[dict[str, str], list[str]]:
+    """Each probe's status, and the errors of those that failed; the last tick's objects again
+    while they read the same (str values: == is sameness), so the rules see the same objects."""
+    status = {r.name: r.status._value_ for r in reports}  # an Enum's .value is a Python property
+    errors = [f"{r.name}: {status[r.name]}: {r.error}" for r in reports
+              if status[r.name] not in ("ok", "absent") and r.error]
+    last = _PROBES_MEMO
+    if status == last[0] and list(status) == list(last[0]):  # == of dicts is blind to order
+        status = last[0]
+    if errors == last[1]:
+        errors = last[1]
+    _PROBES_MEMO[:] = [status, errors]
+    return status, errors
+
+
+_PROBES_MEMO: list[Any] = [None, None]
+
+
+def _server_client(snap: Snapshot, procs: list[ProcessObs]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The server's variables (its fate and whether it is busy last) and the client's."""
+    s = snap.server
+    quiet = s is None and snap.server_processes is None and snap.server_log is None
+    port = s.port if s else _port_of(snap.target.server)
+    client = _client(procs, port)
+    if quiet and _NO_SERVER:
+        # No server, no server processes, no server log: the server's part reads nothing else
+        # (its ranks, their GPUs and the watchdog's deadline need scheduler processes), so it
+        # is one dict, the same every tick.
+        return _NO_SERVER[0], client
+    server = {**_server(snap), **_ranks(snap)}
+    server.update(server_fate(snap, server, client))
+    server["busy"] = server_busy(server, client)
+    if quiet:
+        _NO_SERVER.append(server)
+    return server, client
+
+
+_NO_SERVER: list[dict[str, Any]] = []  # read-only for callers: shared between ticks and jobs
 
 
 # ------------------------------------------------------------------------ parts handed on as is
@@ -237,3 +277,19 @@ def _activity(v: dict[str, Any]) -> dict[str, Any]:
     # A stopped job (every process in T) works no more, whatever moved just before it stopped.
     return {"known": bool(ages), "age_s": age, "what": what,
             "working": bool(ages) and 0 <= age < ACTIVITY_WINDOW_S and not v["job"]["stopped"]}
+
+
+def forget() -> None:
+    """Drop every part kept from earlier ticks (the next features() builds all afresh): what the
+    tests compare reuse against."""
+    from stallwatch.engine import features_gpu, features_io, features_job
+
+    _LAST.clear()
+    _PROBES_MEMO[:] = [None, None]
+    _NO_SERVER.clear()
+    features_io._DISK_MEMO[:] = [None, None]
+    features_job._PROC_MEMO[:] = [None, "", None, None]
+    features_job._JOB_MEMO[:] = [None, None]
+    features_job._STACK_MEMO = (None, "")
+    features_gpu._NO_GPU_MEMO = (None, {})
+    features_gpu._DEVICES_MEMO = ((), None, None, {})

@@ -3,7 +3,8 @@ parts)."""
 
 from __future__ import annotations
 
-from typing import Any
+from operator import attrgetter
+from typing import Any, NamedTuple
 
 from stallwatch.probes.disks import PathUsage
 from stallwatch.probes.processes import ProcessObs
@@ -152,49 +153,48 @@ def _outputs(snap: Snapshot) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------------- disk, kernel
 
-def _disk(snap: Snapshot) -> dict[str, Any]:
+def _disk(snap: Snapshot, d_file: str = "") -> dict[str, Any]:
+    """The disks' variables, and (last) where a stuck job most likely waits (_io_place)."""
     d = snap.disks
-    # One pass over the paths (a handful, every tick): the tightest by bytes and by inodes (the
-    # first of equals, as min() picks), the stuck ones, the job's devices, /dev/shm.
-    paths: list[PathUsage] = []
-    shm = tight = tight_inodes = None
-    stuck: list[PathUsage] = []
-    job_devs: set[str] = set()
+    all_paths = d.paths if d else ()
+    # What depends only on which paths are watched, on which mount and device, in which status:
+    # the disks probe hands on the same mount and device objects tick after tick, so this
+    # compares in C, and a tick only weighs the numbers (issue 17, sixth pass).
+    key: list[Any] = [(p.path, p.kind, p.status, p.detail, p.mount, p.device) for p in all_paths]
+    key.append(snap.target.outputs)
+    st = _DISK_MEMO[1] if _DISK_MEMO[0] == key else _disk_static(all_paths, key, snap)
+    tight = tight_inodes = None
+    tight_i = -1  # tight's position among the `path` entries
     known = False
-    for p in (d.paths if d else ()):
+    i = -1
+    for p in all_paths:
         if p.kind != "path":
-            if shm is None and p.kind == "dev_shm":
-                shm = p
             continue
-        paths.append(p)
+        i += 1
         free = p.free_bytes
         if free is not None and p.total_bytes:
             known = True
             if tight is None or free < (tight.free_bytes or 0):
-                tight = p
+                tight, tight_i = p, i
         if p.free_inodes is not None and p.total_inodes and (
                 tight_inodes is None or p.free_inodes < (tight_inodes.free_inodes or 0)):
             tight_inodes = p
-        if p.status in _STUCK:  # a StrEnum: compared as its string, without `.value`
-            stuck.append(p)
-        dev = p.device
-        if dev:
-            job_devs.add(dev.name)
-            if dev.parent_disk:
-                job_devs.add(dev.parent_disk)
+    shm = all_paths[st.shm] if st.shm is not None else None
     all_devs = d.devices if d else ()
+    job_devs = st.job_devs
     devs = [x for x in all_devs if x.name in job_devs] or all_devs
-    worst_dev = max(devs, key=_inflight_stuck, default=None)
-    return {
+    worst_dev = max(devs, key=_INFLIGHT_STUCK, default=None)
+    stuck = [all_paths[j] for j in st.stuck]
+    out = {
         "known": known,
         "free_bytes": float(tight.free_bytes or 0) if tight else -1.0,
         "free_h": human_bytes(tight.free_bytes or 0) if tight else "",
         "total_bytes": float(tight.total_bytes or 0) if tight else -1.0,
         "used_pct": tight.used_pct if tight and tight.used_pct is not None else -1.0,
         "path": tight.path if tight else "",
-        "mount": tight.mount.mount_point if tight and tight.mount else "",
-        "device": _devname(tight),
-        "fstype": tight.mount.fs_type if tight and tight.mount else "",
+        "mount": st.mounts[tight_i] if tight else "",
+        "device": st.devnames[tight_i] if tight else "",
+        "fstype": st.fstypes[tight_i] if tight else "",
         "free_inodes": float(tight_inodes.free_inodes or 0) if tight_inodes else -1.0,
         "inodes_used_pct": (tight_inodes.inodes_used_pct if tight_inodes and
                             tight_inodes.inodes_used_pct is not None else -1.0),
@@ -210,17 +210,58 @@ def _disk(snap: Snapshot) -> dict[str, Any]:
         "shm_free_bytes": float(shm.free_bytes) if shm and shm.free_bytes is not None else -1.0,
         "shm_used_pct": shm.used_pct if shm and shm.used_pct is not None else -1.0,
         "shm_sgl_segments": float(shm.sgl_shm_segments or 0) if shm else 0.0,
-        "paths": [{"path": p.path, "mount": p.mount.mount_point if p.mount else "",
-                   "device": _devname(p), "status": p.status.value, "detail": p.detail or ""}
-                  for p in paths],
+        "paths": st.paths_vars,  # the same list while the key stands: handed on by identity
     }
+    place = st.place if d_file[:1] != "/" else None
+    out.update(place if place is not None else _io_place(snap, d_file))
+    return out
+
+
+class _DiskStatic(NamedTuple):
+    shm: int | None  # the first /dev/shm entry's index in the probe's paths
+    job_devs: frozenset[str]
+    stuck: tuple[int, ...]  # the stuck `path` entries' indices in the probe's paths
+    mounts: tuple[str, ...]  # per entry of `paths`
+    devnames: tuple[str, ...]
+    fstypes: tuple[str, ...]
+    paths_vars: list[dict[str, str]]
+    place: dict[str, str] | None  # _io_place's answer when it weighs no number (no D thread's file)
+
+
+# (key, _DiskStatic): the last paths' static parts. Read-only for callers, like _LAST in features.
+_DISK_MEMO: list[Any] = [None, None]
+
+
+def _disk_static(all_paths: tuple[PathUsage, ...], key: list[Any], snap: Snapshot) -> _DiskStatic:
+    paths = tuple(p for p in all_paths if p.kind == "path")
+    shm = next((i for i, p in enumerate(all_paths) if p.kind == "dev_shm"), None)
+    job_devs: set[str] = set()
+    for p in paths:
+        dev = p.device
+        if dev:
+            job_devs.add(dev.name)
+            if dev.parent_disk:
+                job_devs.add(dev.parent_disk)
+    devnames = tuple(_devname(p) for p in paths)
+    mounts = tuple(p.mount.mount_point if p.mount else "" for p in paths)
+    place = _io_place(snap, "")
+    st = _DiskStatic(
+        shm=shm, job_devs=frozenset(job_devs),
+        # a StrEnum: compared as its string
+        stuck=tuple(i for i, p in enumerate(all_paths) if p.kind == "path" and p.status in _STUCK),
+        mounts=mounts, devnames=devnames,
+        fstypes=tuple(p.mount.fs_type if p.mount else "" for p in paths),
+        paths_vars=[{"path": p.path, "mount": m, "device": n, "status": p.status.value,
+                     "detail": p.detail or ""} for p, m, n in zip(paths, mounts, devnames, strict=True)],
+        # the tightest path's answer weighs free bytes, which move: asked again each tick
+        place=None if place["io_why"] == _TIGHTEST else place)
+    _DISK_MEMO[:] = [key, st]
+    return st
 
 
 _STUCK = ("timeout", "busy")
-
-
-def _inflight_stuck(x: Any) -> float:
-    return x.inflight_stuck_for_s
+_INFLIGHT_STUCK = attrgetter("inflight_stuck_for_s")
+_TIGHTEST = "the watched filesystem with the least free space"
 
 
 def _io_place(snap: Snapshot, d_file: str) -> dict[str, str]:
@@ -256,7 +297,7 @@ def _io_place(snap: Snapshot, d_file: str) -> dict[str, str]:
     tight = min((p for p in paths if p.free_bytes is not None), key=lambda p: p.free_bytes or 0,
                 default=paths[0])
     return {"io_mount": mount_of(tight), "io_device": _devname(tight),
-            "io_why": "the watched filesystem with the least free space"}
+            "io_why": _TIGHTEST}
 
 
 def _devname(p) -> str:

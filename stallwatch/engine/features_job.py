@@ -4,7 +4,7 @@ to the server (features.py assembles the parts)."""
 from __future__ import annotations
 
 import signal as _signal
-from collections import Counter
+from _collections import _count_elements  # type: ignore[import-not-found]  # Counter's C loop
 from itertools import chain
 from operator import attrgetter
 from typing import Any
@@ -76,6 +76,30 @@ def _job(snap: Snapshot, procs: list[ProcessObs]) -> dict[str, Any]:
     }
 
 
+def _job_all(snap: Snapshot, procs: list[ProcessObs], logv: dict[str, Any]) -> dict[str, Any]:
+    """_job, then _job_ranks; the last tick's dict again while everything they read is the same
+    (no rank and no launcher: then _job_ranks reads nothing but _job's name and pid). Most
+    ticks of a job change nothing here, and the rules compare the same dict by identity first
+    (issue 17, sixth pass)."""
+    po = snap.processes
+    key = None
+    if all([p.rank is None and not p.launcher for p in procs]):
+        key = (snap.target.name, EXIT_GRACE_S, po.exited, po.missing, po.reused,
+               [(p.pid, p.role, p.state, p.comm, p.cmdline, p.exit_code) for p in procs]) if po else (
+                   snap.target.name, EXIT_GRACE_S)
+        if key == _JOB_MEMO[0]:
+            return _JOB_MEMO[1]
+    job = _job(snap, procs)
+    job.update(_job_ranks(procs, logv, f"{job['comm']} (pid {job['pid']})"))
+    if key is not None:
+        _JOB_MEMO[:] = [key, job]
+    return job
+
+
+# (what _job_all read, the dict it made). Read-only for callers.
+_JOB_MEMO: list[Any] = [None, None]
+
+
 def _last_name(exits: list, missing: list[int]) -> str:
     """The name the job's process was last known by once it is gone: the latest exit that
     carries one (a waitpid report of a process no tick saw has none of its own), else "the
@@ -100,8 +124,19 @@ def _thread_dict(p: ProcessObs, t: ThreadObs) -> dict[str, Any]:
         "ctx_unchanged_for_s": t.ctx_unchanged_for_s,
         "quiet_s": _quiet(t.ctx_unchanged_for_s, t.last_ran_age_s),
         "wchan": t.wchan or "", "syscall": t.syscall or "", "file": t.syscall_file or "",
-        "stack": " ← ".join((t.stack or ())[:6]),
+        "stack": _stack_text(t.stack),
     }
+
+
+def _stack_text(stack: tuple[str, ...] | None) -> str:
+    # The processes probe hands on a sleeping thread's stack as the same tuple: joined once.
+    global _STACK_MEMO
+    if stack is not _STACK_MEMO[0]:
+        _STACK_MEMO = (stack, " ← ".join((stack or ())[:6]))
+    return _STACK_MEMO[1]
+
+
+_STACK_MEMO: tuple[Any, str] = (None, "")
 
 
 _STATE = attrgetter("state")  # read in C: a wide job's thousand threads, every tick
@@ -119,9 +154,11 @@ def _quiet(ctx_unchanged_for_s: float, last_ran_age_s: float | None) -> float:
 
 def _proc(procs: list[ProcessObs]) -> dict[str, Any]:
     # A wide job has a thousand threads, nearly all asleep: one count in C over them all (no
-    # (process, thread) pair made for each), and a pass in Python only over the D (and R, for
-    # spinning) ones, when there are any.
-    states: dict[str, int] = dict(Counter(map(_STATE, chain.from_iterable(p.threads for p in procs))))
+    # (process, thread) pair made for each, into a plain dict: a Counter's own __init__ and
+    # update are Python), and a pass in Python only over the D (and R, for spinning) ones, when
+    # there are any.
+    states: dict[str, int] = {}
+    _count_elements(states, map(_STATE, chain.from_iterable(p.threads for p in procs)))
     nthreads = sum(states.values())
     d = _threads(procs, "D") if "D" in states else []
     def stuck(pt: tuple[ProcessObs, ThreadObs]) -> float:
@@ -134,27 +171,47 @@ def _proc(procs: list[ProcessObs]) -> dict[str, Any]:
     io_known = [p.io_unchanged_for_s for p in workers if p.io_unchanged_for_s is not None]
     cpu = [p.cpu_util for p in procs if p.cpu_util is not None]
     live = [p for p in workers if p.state not in ("Z", "X")]
-    tracked = min((p.tracked_for_s for p in live), default=0.0)
     # The tree is quiet when no thread of it has run: a lower bound from the scheduler works
     # in a one-shot diagnosis, where we have watched for a few seconds only.
-    quiet = min((_quiet(p.ctx_unchanged_for_s, p.last_ran_age_s) for p in live), default=0.0)
-    main = next(((p, t) for p in procs if p.role == "target" for t in p.threads if t.tid == p.pid),
-                None)
+    tracked = quiet = 0.0
+    if live:
+        tracked = min([p.tracked_for_s for p in live])
+        quiet = min([_quiet(p.ctx_unchanged_for_s, p.last_ran_age_s) for p in live])
+    main = None
+    for p in procs:
+        if p.role == "target":
+            pid = p.pid
+            main = next(((p, t) for t in p.threads if t.tid == pid), None)
+            if main is not None:
+                break
     # Only a thread in R can be spinning: runqueue.step ends a stretch (samples 0) at any other
     # state, and a thread off the run queue is never carried over with a stretch of its own.
     spin = spinning(_threads(procs, "R")) if "R" in states else []
+    # The states and the process list stay as they were on most ticks: the same objects are
+    # handed on then (rules compare them by identity first; issue 17, sixth pass).
+    last = _PROC_MEMO
+    counted = tuple(states.items())  # in order: == of dicts is blind to it, the text is not
+    if counted == last[3]:
+        states, text = last[0], last[1]
+    else:
+        text = ", ".join(f"{n} {s}" for s, n in sorted(counted, key=lambda kv: -kv[1]))
+    plist = [{"pid": p.pid, "ppid": p.ppid, "state": p.state, "comm": p.comm,
+              "wchan": p.wchan or "", "threads": p.num_threads, "role": p.role} for p in procs]
+    if plist == last[2]:  # every value of a fixed type: == is sameness here
+        plist = last[2]
+    _PROC_MEMO[:] = [states, text, plist, counted]
     return {
         "count": len(procs),
         "threads": nthreads,
         "states": states,
-        "states_text": ", ".join(f"{n} {s}" for s, n in sorted(states.items(), key=lambda kv: -kv[1])),
-        "main": _thread_dict(*main) if main else _thread_dict_empty(),
+        "states_text": text,
+        "main": _thread_dict(*main) if main else _NO_THREAD,
         "running": states.get("R", 0),
         "spinning": len(spin),
         "spin_list": spin,
         "d_threads": len(d),
         "d_max_s": worst[1].d_state_for_s if worst else 0.0,
-        "d": _thread_dict(*worst) if worst else _thread_dict_empty(),
+        "d": _thread_dict(*worst) if worst else _NO_THREAD,
         "d_list": [_thread_dict(p, t) for p, t in sorted(d, key=stuck, reverse=True)],
         "d_stuck_s": max((min(t.d_state_for_s, t.ctx_unchanged_for_s) for _, t in d), default=0.0),
         # A thread in D does not run: the scheduler's last-run age is how long it has been stuck,
@@ -166,11 +223,14 @@ def _proc(procs: list[ProcessObs]) -> dict[str, Any]:
         "cpu_known": bool(cpu),
         "quiet_s": quiet,
         "tracked_s": tracked,
-        "rss_bytes": sum(p.rss_bytes or 0 for p in procs),
-        "list": [{"pid": p.pid, "ppid": p.ppid, "state": p.state, "comm": p.comm,
-                  "wchan": p.wchan or "", "threads": p.num_threads, "role": p.role}
-                 for p in procs],
+        "rss_bytes": sum([p.rss_bytes or 0 for p in procs]),
+        "list": plist,
     }
+
+
+# The last tick's states, their text, the process list and the states' items (_proc).
+# Read-only for callers.
+_PROC_MEMO: list[Any] = [None, "", None, None]
 
 
 # A thread runnable in every sample of at least this long a stretch, never switching out by
@@ -211,6 +271,10 @@ def _thread_dict_empty() -> dict[str, Any]:
     return {"pid": -1, "tid": -1, "comm": "", "state": "", "d_state_for_s": 0.0,
             "state_since_s": 0.0, "ctx_unchanged_for_s": 0.0, "quiet_s": 0.0, "wchan": "",
             "syscall": "", "file": "", "stack": ""}
+
+
+# No such thread: one dict, the same every tick (nothing may change it in place).
+_NO_THREAD = _thread_dict_empty()
 
 
 def _job_ranks(procs: list[ProcessObs], logv: dict[str, Any], who: str) -> dict[str, Any]:
@@ -339,17 +403,16 @@ def _woke_for_a_moment(t: ThreadObs) -> bool:
 def _client(procs: list[ProcessObs], port: int | None) -> dict[str, Any]:
     """Is the job waiting on the server? A thread blocked reading a socket to its port is proof;
     an open connection to it while every thread sleeps in poll/epoll is strong circumstance."""
-    out = {"connected": False, "waiting": False, "blocked": False, "how": "", "pid": -1, "tid": -1,
-           "syscall": "", "remote": "", "quiet_s": 0.0}
     if port is None:
-        return out
+        return _NO_CLIENT
     by_fd: dict[tuple[int, int], str] = {}
     for p in procs:
         for s in p.tcp:
             if s.remote_port == port and s.state == "ESTABLISHED":
                 by_fd[(p.pid, s.fd)] = f"{s.remote_addr}:{s.remote_port}"
     if not by_fd:
-        return out
+        return _NO_CLIENT
+    out = dict(_NO_CLIENT)
     out["connected"] = True
     reading = next(((p, t) for p in procs for t in p.threads if t.syscall in SOCKET_READ_SYSCALLS
                     and t.syscall_fd is not None and (p.pid, t.syscall_fd) in by_fd), None)
@@ -370,6 +433,12 @@ def _client(procs: list[ProcessObs], port: int | None) -> dict[str, Any]:
                    remote=next(v for k, v in by_fd.items() if k[0] == p.pid),
                    quiet_s=min(_quiet(t.ctx_unchanged_for_s, t.last_ran_age_s) for t in sleeping))
     return out
+
+
+# Not connected to a server (or none configured): one dict, the same every tick, handed on by
+# identity (nothing may change it in place).
+_NO_CLIENT: dict[str, Any] = {"connected": False, "waiting": False, "blocked": False, "how": "",
+                              "pid": -1, "tid": -1, "syscall": "", "remote": "", "quiet_s": 0.0}
 
 
 def _port_of(url: str | None) -> int | None:
