@@ -17,11 +17,13 @@ the pace and `activity`.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any
 from collections.abc import Callable
 
 from stallwatch.engine.serverfate import server_busy, server_fate
 from stallwatch.probes.base import ProbeReport
+from stallwatch.probes.log import Cadence
 from stallwatch.probes.processes import ProcessObs
 from stallwatch.probes.snapshot import Snapshot
 from stallwatch.engine.features_text import human_bytes, human_s
@@ -72,11 +74,25 @@ def stall_threshold_s(snap: Snapshot) -> tuple[float, str]:
             t = max(STALL_FLOOR_S, CADENCE_P90_FACTOR * 2.0 / rate)
             return min(t, STALL_CEILING_S), f"from the rate {rate:.3g}/s ({source})"
         return STALL_DEFAULT_S, "default (cadence not learned yet)"
+    # What the rest reads; the same on most ticks (a learned cadence moves with new intervals
+    # only), and formatting its floats was most of this function's cost: the last answer again.
+    few = c.source == "observed" and c.samples < CADENCE_MIN_SAMPLES  # then tqdm's rate counts
+    key = (*_CADENCE_READS(c), log.tqdm_rate_per_s if few else None)
+    if key == _THRESHOLD_MEMO[0]:
+        return _THRESHOLD_MEMO[1]
+    _THRESHOLD_MEMO[:] = [key, found := _threshold(c, log.tqdm_rate_per_s)]
+    return found
+
+
+_CADENCE_READS = attrgetter("p90_s", "max_s", "samples", "source", "outliers", "last_outlier_s")
+_THRESHOLD_MEMO: list[Any] = [None, None]  # (what _threshold read, its answer)
+
+
+def _threshold(c: Cadence, tqdm_rate: float | None) -> tuple[float, str]:
     t = max(STALL_FLOOR_S, CADENCE_P90_FACTOR * c.p90_s, CADENCE_MAX_FACTOR * c.max_s)
     if c.source == "observed" and c.samples < CADENCE_MIN_SAMPLES:
         # A few intervals we timed ourselves may be one burst of lines (a batch logging each
         # item): they may raise the threshold, never lower it below tqdm's rate or the default.
-        tqdm_rate = log.tqdm_rate_per_s
         if tqdm_rate and tqdm_rate > 0:
             low, why = max(STALL_FLOOR_S, CADENCE_P90_FACTOR * 2.0 / tqdm_rate), f"from the rate {tqdm_rate:.3g}/s"
         else:
@@ -192,20 +208,23 @@ def features(snap: Snapshot) -> dict[str, Any]:
 
 def _probes(reports: tuple[ProbeReport, ...]) -> tuple[dict[str, str], list[str]]:
     """Each probe's status, and the errors of those that failed; the last tick's objects again
-    while they read the same (str values: == is sameness), so the rules see the same objects."""
-    status = {r.name: r.status._value_ for r in reports}  # an Enum's .value is a Python property
-    errors = [f"{r.name}: {status[r.name]}: {r.error}" for r in reports
-              if status[r.name] not in ("ok", "absent") and r.error]
+    while the names and statuses read the same and none failed (then no error is said)."""
+    names, values = tuple(map(_NAME, reports)), tuple(map(_STATUS, reports))  # in C
     last = _PROBES_MEMO
-    if status == last[0] and list(status) == list(last[0]):  # == of dicts is blind to order
-        status = last[0]
-    if errors == last[1]:
-        errors = last[1]
-    _PROBES_MEMO[:] = [status, errors]
+    if values == last[1] and names == last[0] and _QUIET.issuperset(values):
+        return last[2], last[3]
+    status = dict(zip(names, values, strict=True))
+    errors = [f"{r.name}: {status[r.name]}: {r.error}" for r in reports
+              if status[r.name] not in _QUIET and r.error]
+    _PROBES_MEMO[:] = [names, values, status, errors]
     return status, errors
 
 
-_PROBES_MEMO: list[Any] = [None, None]
+_NAME = attrgetter("name")
+_STATUS = attrgetter("status._value_")  # an Enum's .value is a Python property; _value_ is not
+_QUIET = frozenset(("ok", "absent"))  # statuses that say no error
+# (names, statuses, the status dict, the errors): read-only for callers.
+_PROBES_MEMO: list[Any] = [None, None, None, None]
 
 
 def _server_client(snap: Snapshot, procs: list[ProcessObs]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -285,7 +304,8 @@ def forget() -> None:
     from stallwatch.engine import features_gpu, features_io, features_job
 
     _LAST.clear()
-    _PROBES_MEMO[:] = [None, None]
+    _PROBES_MEMO[:] = [None, None, None, None]
+    _THRESHOLD_MEMO[:] = [None, None]
     _NO_SERVER.clear()
     features_io._DISK_MEMO[:] = [None, None]
     features_job._PROC_MEMO[:] = [None, "", None, None]

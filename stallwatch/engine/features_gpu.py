@@ -27,6 +27,8 @@ def _pipeline_gpus(snap: Snapshot, job_pids: set[int]) -> set[int] | None:
     """The GPUs the job or its server hold memory on; None when that is unknown (no process list,
     or nobody of the pipeline on a GPU): then every GPU of the host is the pipeline's."""
     g = snap.gpu
+    if g is None or not g.devices:  # no GPU: no holder to look for
+        return None
     pids = job_pids | _server_pids(snap)
     found = {d.index for d in (g.devices if g and g.status == "ok" else ())
              for pr in d.processes or () if pr.pid in pids}

@@ -23,7 +23,7 @@ def _log(snap: Snapshot) -> dict[str, Any]:
     tb = log.traceback
     fatal = log.fatal
     total = pr.total if pr and pr.total else None
-    status = log.status.value
+    status = log.status._value_  # an Enum's .value is a Python property
     cadence = log.cadence_s
     rate = log.rate_per_s
     if rate is None:
@@ -138,7 +138,7 @@ def _exception_text(tb) -> str:
 
 def _outputs(snap: Snapshot) -> dict[str, Any]:
     o = snap.outputs
-    ok = o if o is not None and o.status.value == "ok" else None
+    ok = o if o is not None and o.status == "ok" else None  # a StrEnum: compared as its string
     return {
         "configured": o is not None,
         "present": ok is not None,
@@ -160,7 +160,7 @@ def _disk(snap: Snapshot, d_file: str = "") -> dict[str, Any]:
     # What depends only on which paths are watched, on which mount and device, in which status:
     # the disks probe hands on the same mount and device objects tick after tick, so this
     # compares in C, and a tick only weighs the numbers (issue 17, sixth pass).
-    key: list[Any] = [(p.path, p.kind, p.status, p.detail, p.mount, p.device) for p in all_paths]
+    key: list[Any] = list(map(_PATH_READS, all_paths))  # in C: one tuple a path
     key.append(snap.target.outputs)
     st = _DISK_MEMO[1] if _DISK_MEMO[0] == key else _disk_static(all_paths, key, snap)
     tight = tight_inodes = None
@@ -260,6 +260,7 @@ def _disk_static(all_paths: tuple[PathUsage, ...], key: list[Any], snap: Snapsho
 
 
 _STUCK = ("timeout", "busy")
+_PATH_READS = attrgetter("path", "kind", "status", "detail", "mount", "device")
 _INFLIGHT_STUCK = attrgetter("inflight_stuck_for_s")
 _TIGHTEST = "the watched filesystem with the least free space"
 

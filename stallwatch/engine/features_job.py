@@ -82,18 +82,20 @@ def _job_all(snap: Snapshot, procs: list[ProcessObs], logv: dict[str, Any]) -> d
     ticks of a job change nothing here, and the rules compare the same dict by identity first
     (issue 17, sixth pass)."""
     po = snap.processes
-    key = None
-    if all([p.rank is None and not p.launcher for p in procs]):
-        key = (snap.target.name, EXIT_GRACE_S, po.exited, po.missing, po.reused,
-               [(p.pid, p.role, p.state, p.comm, p.cmdline, p.exit_code) for p in procs]) if po else (
-                   snap.target.name, EXIT_GRACE_S)
-        if key == _JOB_MEMO[0]:
-            return _JOB_MEMO[1]
+    # what _job reads of each process, and its rank and launcher flag (in C: one tuple each)
+    key = (snap.target.name, EXIT_GRACE_S, po.exited, po.missing, po.reused,
+           list(map(_JOB_READS, procs))) if po else (snap.target.name, EXIT_GRACE_S)
+    if key == _JOB_MEMO[0]:  # only a job without ranks or a launcher is kept: see below
+        return _JOB_MEMO[1]
+    plain = all([p.rank is None and not p.launcher for p in procs])
     job = _job(snap, procs)
     job.update(_job_ranks(procs, logv, f"{job['comm']} (pid {job['pid']})"))
-    if key is not None:
+    if plain:
         _JOB_MEMO[:] = [key, job]
     return job
+
+
+_JOB_READS = attrgetter("pid", "role", "state", "comm", "cmdline", "exit_code", "rank", "launcher")
 
 
 # (what _job_all read, the dict it made). Read-only for callers.
@@ -156,37 +158,43 @@ def _proc(procs: list[ProcessObs]) -> dict[str, Any]:
     # A wide job has a thousand threads, nearly all asleep: one count in C over them all (no
     # (process, thread) pair made for each, into a plain dict: a Counter's own __init__ and
     # update are Python), and a pass in Python only over the D (and R, for spinning) ones, when
-    # there are any.
+    # there are any. The processes in one loop: a comprehension is a call of its own.
     states: dict[str, int] = {}
-    _count_elements(states, map(_STATE, chain.from_iterable(p.threads for p in procs)))
-    nthreads = sum(states.values())
-    d = _threads(procs, "D") if "D" in states else []
-    def stuck(pt: tuple[ProcessObs, ThreadObs]) -> float:
-        return _quiet(pt[1].ctx_unchanged_for_s, pt[1].last_ran_age_s)
-
-    worst = max(d, key=stuck, default=None)
+    _count_elements(states, map(_STATE, chain.from_iterable([p.threads for p in procs])))
     # torchrun's agent polls its workers every few seconds (its I/O counters and threads move
     # while every rank is stuck): what it does is supervision, not the job's work.
-    workers = [p for p in procs if not p.launcher] or procs
-    io_known = [p.io_unchanged_for_s for p in workers if p.io_unchanged_for_s is not None]
-    cpu = [p.cpu_util for p in procs if p.cpu_util is not None]
-    live = [p for p in workers if p.state not in ("Z", "X")]
-    # The tree is quiet when no thread of it has run: a lower bound from the scheduler works
-    # in a one-shot diagnosis, where we have watched for a few seconds only.
-    tracked = quiet = 0.0
-    if live:
-        tracked = min([p.tracked_for_s for p in live])
-        quiet = min([_quiet(p.ctx_unchanged_for_s, p.last_ran_age_s) for p in live])
+    io_known: list[float] = []
+    cpu: list[float] = []
+    tracked: list[float] = []
+    quiet: list[float] = []
+    rss = 0
     main = None
+    plist = []
+    workers = 0
     for p in procs:
-        if p.role == "target":
+        if p.cpu_util is not None:
+            cpu.append(p.cpu_util)
+        rss += p.rss_bytes or 0
+        if main is None and p.role == "target":
             pid = p.pid
             main = next(((p, t) for t in p.threads if t.tid == pid), None)
-            if main is not None:
-                break
-    # Only a thread in R can be spinning: runqueue.step ends a stretch (samples 0) at any other
-    # state, and a thread off the run queue is never carried over with a stretch of its own.
-    spin = spinning(_threads(procs, "R")) if "R" in states else []
+        plist.append({"pid": p.pid, "ppid": p.ppid, "state": p.state, "comm": p.comm,
+                      "wchan": p.wchan or "", "threads": p.num_threads, "role": p.role})
+        if p.launcher:
+            continue
+        workers += 1
+        if p.io_unchanged_for_s is not None:
+            io_known.append(p.io_unchanged_for_s)
+        if p.state not in ("Z", "X"):
+            tracked.append(p.tracked_for_s)
+            # The tree is quiet when no thread of it has run: a lower bound from the scheduler
+            # works in a one-shot diagnosis, where we have watched for a few seconds only.
+            quiet.append(_quiet(p.ctx_unchanged_for_s, p.last_ran_age_s))
+    if not workers and procs:  # only launchers: they are the job then
+        io_known = [p.io_unchanged_for_s for p in procs if p.io_unchanged_for_s is not None]
+        live = [p for p in procs if p.state not in ("Z", "X")]
+        tracked = [p.tracked_for_s for p in live]
+        quiet = [_quiet(p.ctx_unchanged_for_s, p.last_ran_age_s) for p in live]
     # The states and the process list stay as they were on most ticks: the same objects are
     # handed on then (rules compare them by identity first; issue 17, sixth pass).
     last = _PROC_MEMO
@@ -195,36 +203,52 @@ def _proc(procs: list[ProcessObs]) -> dict[str, Any]:
         states, text = last[0], last[1]
     else:
         text = ", ".join(f"{n} {s}" for s, n in sorted(counted, key=lambda kv: -kv[1]))
-    plist = [{"pid": p.pid, "ppid": p.ppid, "state": p.state, "comm": p.comm,
-              "wchan": p.wchan or "", "threads": p.num_threads, "role": p.role} for p in procs]
     if plist == last[2]:  # every value of a fixed type: == is sameness here
         plist = last[2]
     _PROC_MEMO[:] = [states, text, plist, counted]
-    return {
+    out = {
         "count": len(procs),
-        "threads": nthreads,
+        "threads": sum(states.values()),
         "states": states,
         "states_text": text,
         "main": _thread_dict(*main) if main else _NO_THREAD,
         "running": states.get("R", 0),
-        "spinning": len(spin),
-        "spin_list": spin,
-        "d_threads": len(d),
-        "d_max_s": worst[1].d_state_for_s if worst else 0.0,
-        "d": _thread_dict(*worst) if worst else _NO_THREAD,
-        "d_list": [_thread_dict(p, t) for p, t in sorted(d, key=stuck, reverse=True)],
-        "d_stuck_s": max((min(t.d_state_for_s, t.ctx_unchanged_for_s) for _, t in d), default=0.0),
-        # A thread in D does not run: the scheduler's last-run age is how long it has been stuck,
-        # even before we started watching.
-        "d_quiet_s": stuck(worst) if worst else 0.0,
+        "spinning": 0, "spin_list": [],
+        "d_threads": 0, "d_max_s": 0.0, "d": _NO_THREAD, "d_list": [], "d_stuck_s": 0.0,
+        "d_quiet_s": 0.0,
         "io_known": bool(io_known),
         "io_unchanged_s": min(io_known) if io_known else -1.0,
         "cpu_util": sum(cpu),
         "cpu_known": bool(cpu),
-        "quiet_s": quiet,
-        "tracked_s": tracked,
-        "rss_bytes": sum([p.rss_bytes or 0 for p in procs]),
+        "quiet_s": min(quiet) if quiet else 0.0,
+        "tracked_s": min(tracked) if tracked else 0.0,
+        "rss_bytes": rss,
         "list": plist,
+    }
+    if "R" in states:
+        # Only a thread in R can be spinning: runqueue.step ends a stretch (samples 0) at any
+        # other state, and a thread off the run queue is never carried over with one of its own.
+        spin = spinning(_threads(procs, "R"))
+        out["spinning"], out["spin_list"] = len(spin), spin
+    if "D" in states:
+        out.update(_d_threads(_threads(procs, "D")))
+    return out
+
+
+def _d_threads(d: list[tuple[ProcessObs, ThreadObs]]) -> dict[str, Any]:
+    def stuck(pt: tuple[ProcessObs, ThreadObs]) -> float:
+        return _quiet(pt[1].ctx_unchanged_for_s, pt[1].last_ran_age_s)
+
+    worst = max(d, key=stuck)
+    return {
+        "d_threads": len(d),
+        "d_max_s": worst[1].d_state_for_s,
+        "d": _thread_dict(*worst),
+        "d_list": [_thread_dict(p, t) for p, t in sorted(d, key=stuck, reverse=True)],
+        "d_stuck_s": max(min(t.d_state_for_s, t.ctx_unchanged_for_s) for _, t in d),
+        # A thread in D does not run: the scheduler's last-run age is how long it has been stuck,
+        # even before we started watching.
+        "d_quiet_s": stuck(worst),
     }
 
 
