@@ -494,3 +494,31 @@ def test_a_log_symlinked_elsewhere_or_unreadable_to_its_user_is_refused(tmp_path
     o = probe.collect()
     assert o.status == ProbeStatus.denied and "cannot read: refused" in (o.error or "")
     assert all("AWS" not in line for line in o.tail)
+
+
+def test_split_lines_read_as_each_line_through_end_line(tmp_path):
+    """LogFollower._feed splits a read of one separator kind in C and takes a clean line as it
+    is: random reads (\\r or \\n only, both, escapes, controls, invalid UTF-8, lines over the
+    limit, a cut first line) give the lines, meta, partial and counts that _feed_mixed gives."""
+    import random
+
+    from stallwatch.probes.logfollow import FollowResult, LogFollower
+
+    rng = random.Random(17)
+    alphabet = [b"a", b"b", b" ", b"\r", b"\r", b"\n", b"\x1b[A", b"\x07", b"\xe2\x96\x88", b"\xe2",
+                b"12/34 [00:01<00:02, 1.0it/s]"]
+    for trial in range(400):
+        fast = LogFollower(tmp_path / "x.log", max_line_bytes=rng.choice([4, 16, 64 << 10]))
+        slow = LogFollower(tmp_path / "x.log", max_line_bytes=fast.max_line_bytes)
+        if trial % 5 == 0:
+            fast._dropping = slow._dropping = "cut"
+        for _ in range(rng.randint(1, 6)):
+            kind = rng.choice(["cr", "nl", "any"])
+            parts = [p for p in alphabet if kind == "any" or p not in ({b"\n"} if kind == "cr" else {b"\r"})]
+            data = b"".join(rng.choice(parts) for _ in range(rng.randint(0, 30)))
+            a, b = FollowResult(ProbeStatus.ok), FollowResult(ProbeStatus.ok)
+            fast._feed(data, a)
+            slow._feed_mixed(data, b)
+            assert (a.lines, a.meta, a.ups) == (b.lines, b.meta, b.ups), data
+            assert (bytes(fast._partial), fast._dropping, fast.overlong_lines) == \
+                (bytes(slow._partial), slow._dropping, slow.overlong_lines), data

@@ -441,3 +441,37 @@ def test_clean_line_skips_the_control_regex_only_where_it_would_remove_nothing()
                  "emoji 🙂 ", "\u2028sep", "\x1b[31mred\x1b[0m\x01", "trailing\r", ""]:
         stripped = p._ANSI.sub("", line) if "\x1b" in line else line
         assert p.clean_line(line) == p._CTRL.sub("", stripped).rstrip(), repr(line)
+
+
+def test_postfix_split_reads_as_the_regex_does():
+    """_postfix splits tqdm's `k=v, k=v` without _POSTFIX_ITEM where that is what the regex reads;
+    every spelling below (and random ones of the same alphabet) gives the regex's dict, in its order."""
+    import random
+
+    from stallwatch.probes.text import progress as p
+
+    texts = ["processed=977, skipped=0", "a=1", "a=1,b=2", "a=1,  b=2", "a=1 , b=2", "a =1, b= 2",
+             " a=1, b=2 ", "a=, b=1", "=1, b=2", "a=1=2, b=3", "a=1, b", "a=1, , b=2", "lst=[1, 2], f=2.5",
+             "a=1, a=2", "x", "", " ", ",", ", a=1", "a=1,", "a=1, \tb=2", "a\t=1, b=x y", "\xa0a=1, b=2",
+             "k=v, k2=v2, k3=3.5, k4=-1"]
+    rng = random.Random(17)
+    texts += ["".join(rng.choice("ab= ,\t1") for _ in range(rng.randint(1, 12))) for _ in range(3000)]
+    for text in texts:
+        want = p._postfix_regex(text.strip()) if text else {}
+        got = p._postfix(text)
+        assert list(got.items()) == list(want.items()), repr(text)
+
+
+def test_the_remembered_description_is_the_one_of_the_bar_read():
+    """_desc keeps the last l_bar's description: bars of two descriptions read in turn each get
+    their own, as _LBAR alone gives it."""
+    from stallwatch.probes.text import progress as p
+
+    a = "Generating Hidden States:  49%|████▉     | 18380/37312 [04:58<05:07,  1.03it/s]"
+    b = "Finalizing Writes:  10%|█         | 1/10 [00:01<00:09,  1.00it/s]"
+    c = " 10%|█         | 1/10 [00:01<00:09,  1.00it/s]"
+    for line in [a, b, a, a, c, b, c, c]:
+        ev = parse_tqdm(line)
+        lbar = p._LBAR.search(line[: line.index("| ", line.index("%|") + 2) + 2])
+        assert ev is not None and ev.desc == (lbar["desc"] if lbar and lbar["desc"] else None)
+    assert parse_tqdm(a).desc == "Generating Hidden States" and parse_tqdm(c).desc is None

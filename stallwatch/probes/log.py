@@ -15,7 +15,7 @@ from collections import deque
 from itertools import pairwise
 from typing import Literal
 
-from stallwatch.probes.text.bars import SAMPLE_KEYS, BarSet, MultiBars
+from stallwatch.probes.text.bars import BarSet, MultiBars, sample_count
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.model import Frozen
 from stallwatch.probes.base import ProbeStatus
@@ -276,7 +276,7 @@ class LogProbe:
         parsed: dict[int, ProgressEvent | None] = {}
         lines, meta = r.lines, r.meta
         if (not self.SKIP_REDRAWS or r.first or self.parser.regex is not None or self._bars.active
-                or any(ups for ups, _ in meta) or r.partial_ups):
+                or r.ups or r.partial_ups):
             return parsed, {}
         z, zi = partial_ev, len(lines)
         if z is None:
@@ -292,7 +292,7 @@ class LogProbe:
         if (z.source != "tqdm" or z.desc is None or z.desc != self._bars.desc or not z.rate_per_s
                 or not self._bars.is_open(0)):
             return parsed, {}
-        samples = all(isinstance(z.postfix.get(k), int) for k in SAMPLE_KEYS)
+        samples = sample_count(z.postfix) is not None
         z_done = float(z.done)
         light: dict[int, int | float] = {}
         for i in range(zi):
@@ -316,7 +316,8 @@ class LogProbe:
         if not changed:
             return 0
         self._tb.reset()
-        self._fatal.clear()
+        if self._fatal:
+            self._fatal.clear()
         return 1
 
     def _per_rank(self, ev: ProgressEvent, ups: int, newline: bool, at: float) -> ProgressEvent:
@@ -357,7 +358,8 @@ class LogProbe:
             self._marks.append((line_time(line), float(ev.done)))
         # Progress moved on after a traceback: it was caught and logged, not how the job ended.
         self._tb.reset()
-        self._fatal.clear()
+        if self._fatal:
+            self._fatal.clear()
         return 1
 
     def _on_changes(self, n: int, r: FollowResult, now: float) -> None:

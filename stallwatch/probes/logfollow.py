@@ -34,6 +34,7 @@ class FollowResult:
     lines: list[str] = field(default_factory=list)
     # per line: (cursor-up escapes that ended it, ended by "\n"): a tqdm bar's position (bars.py)
     meta: list[tuple[int, bool]] = field(default_factory=list)
+    ups: bool = False  # some line of `lines` was ended by cursor-up escapes (any meta[i][0])
     partial: str | None = None  # the unterminated last line: tqdm's newest bar sits there
     partial_ups: int = 0
     first: bool = False  # this read learned history (the file's last initial_tail_bytes)
@@ -221,6 +222,30 @@ class LogFollower:
         return False
 
     def _feed(self, data: bytes, res: FollowResult) -> None:
+        # One kind of separator (tqdm's redraws: "\r" only; a plain log: "\n" only): split in C,
+        # and a whole printable line without escapes taken as it is (clean_line would only strip
+        # it), not through _end_line, _emit and clean_line (issue 17: ~5 redraws a tick).
+        newline = b"\n" in data
+        if newline and b"\r" in data:
+            self._feed_mixed(data, res)
+            return
+        pieces = data.split(b"\n" if newline else b"\r")
+        rest = pieces.pop()
+        lines, meta, limit = res.lines, res.meta, self.max_line_bytes
+        for piece in pieces:
+            if self._dropping is not None or self._partial or len(piece) > limit:
+                self._end_line(piece, res, newline)
+            elif piece:
+                raw = piece.decode("utf-8", "replace")
+                if "\x1b" in raw or not raw.isprintable():
+                    self._emit(raw, res, newline)
+                elif line := raw.rstrip():
+                    lines.append(line)
+                    meta.append((0, newline))
+        self._grow_partial(rest)
+
+    def _feed_mixed(self, data: bytes, res: FollowResult) -> None:
+        """_feed for any bytes: each line through _end_line (tests hold _feed to it)."""
         pos = 0
         for m in _SEP.finditer(data):
             self._end_line(data[pos : m.start()], res, m.group() == b"\n")
@@ -256,5 +281,8 @@ class LogFollower:
     def _emit(self, raw: str, res: FollowResult, newline: bool) -> None:
         line = clean_line(raw)
         if line:
+            ups = cursor_ups(raw) if "\x1b" in raw else 0
             res.lines.append(line)
-            res.meta.append((cursor_ups(raw) if "\x1b" in raw else 0, newline))
+            res.meta.append((ups, newline))
+            if ups:
+                res.ups = True

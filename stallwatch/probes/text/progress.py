@@ -100,14 +100,18 @@ _INVERSE_RATE = re.compile(r"([kMGTPEZY]?)s/(.+)")
 
 def _interval(text: str | None) -> float | None:
     """tqdm's [H:]MM:SS (hours unbounded; an optional `Nd ` prefix is accepted too)."""
-    if not text or text.strip() == "?":
+    if not text:
         return None
     # tqdm's own MM:SS and H:MM:SS (two a bar line) without the regex: what it matches exactly
-    # (isdecimal is \d; the seconds two digits), anything else goes the regex's way
+    # (isdecimal is \d; the seconds two digits; no part empty), anything else goes the regex's
+    # way. Without a generator over the parts: ~12 k instructions a call was half of it.
     parts = text.split(":")
-    if 2 <= len(parts) <= 3 and len(parts[-1]) == 2 and all(p.isdecimal() for p in parts):
+    n = len(parts)
+    if (n == 2 or n == 3) and len(parts[-1]) == 2 and "" not in parts and text.replace(":", "").isdecimal():
         secs = int(parts[-2]) * 60 + int(parts[-1])
-        return float(secs + int(parts[0]) * 3600 if len(parts) == 3 else secs)
+        return float(secs + int(parts[0]) * 3600 if n == 3 else secs)
+    if text.strip() == "?":
+        return None
     m = _INTERVAL.fullmatch(text)
     if not m:
         return None
@@ -136,6 +140,7 @@ _TQDM_NOTOTAL = re.compile(
 # where the full patterns take several µs a line.
 _TQDM_HINT = re.compile(rf"\[{_ELAPSED}[,<]")
 _N_CHARS = ".kMGTPEZY"  # with the decimal digits: all that _SCALED's `n` may hold
+_N_ASCII = "0123456789" + _N_CHARS
 
 
 def _total_from(line: str) -> int:
@@ -146,6 +151,8 @@ def _total_from(line: str) -> int:
     i = line.find("/")
     if i < 0:
         return -1
+    # the ASCII ones stripped in C (a bar's own); a Unicode decimal (\d holds them) walked over
+    i = len(line[:i].rstrip(_N_ASCII))
     while i > 0 and (line[i - 1].isdecimal() or line[i - 1] in _N_CHARS):
         i -= 1
     return i
@@ -161,7 +168,7 @@ def _rate(text: str, scaled: bool) -> tuple[float | None, str | None]:
     m = _RATE.fullmatch(text.strip())
     if not m:
         return None, None
-    num, rest = m["num"], m["rest"]
+    num, rest = m.group("num", "rest")
     # `it/s` (the usual) is never inverse: the match is tried only for what may be `s/it`
     inverse = _INVERSE_RATE.match(rest) if not rest.endswith("/s") else None
     if inverse:
@@ -182,7 +189,40 @@ def _rate(text: str, scaled: bool) -> tuple[float | None, str | None]:
 def _postfix(text: str | None) -> dict[str, PostfixValue]:
     if not text:
         return {}
-    return {m["k"].strip(): _scalar(m["v"]) for m in _POSTFIX_ITEM.finditer(text.strip())}
+    t = text.strip()
+    items = t.split(", ")
+    # tqdm's own `k=v, k=v` (set_postfix): split, not the regex's lookahead at every character
+    # (~22 k instructions a bar line). Taken only where it reads what _POSTFIX_ITEM reads: every
+    # comma followed by one space, each item one `=` after a key that starts with no space.
+    if t.count(",") == len(items) - 1:
+        out: dict[str, PostfixValue] = {}
+        for item in items:
+            k, eq, v = item.partition("=")
+            if not k or k[0].isspace() or "=" in v or not eq:
+                break
+            out[k.strip()] = _scalar(v)
+        else:
+            return out
+    return _postfix_regex(t)
+
+
+def _postfix_regex(t: str) -> dict[str, PostfixValue]:
+    return {m["k"].strip(): _scalar(m["v"]) for m in _POSTFIX_ITEM.finditer(t)}
+
+
+_last_desc: tuple[str, str | None] = ("", None)
+
+
+def _desc(before: str) -> str | None:
+    """The description in the l_bar (`desc:  49%|████▉     | `). A bar's l_bar changes with its
+    percentage only, so the last one's answer is kept: _LBAR's lazy scan is ~10 k instructions."""
+    global _last_desc
+    if before == _last_desc[0]:
+        return _last_desc[1]
+    lbar = _LBAR.search(before)
+    desc = lbar["desc"] if lbar and lbar["desc"] else None
+    _last_desc = (before, desc)
+    return desc
 
 
 def parse_tqdm(line: str) -> ProgressEvent | None:
@@ -205,8 +245,9 @@ def tqdm_done(line: str) -> tuple[int | float, int | float, bool] | None:
     m = _TQDM_TOTAL.search(line, start)
     if m is None:
         return None
+    n, total, postfix = m.group("n", "total", "postfix")
     try:
-        return _num(m["n"]), _num(m["total"]), bool(m["postfix"])
+        return _num(n), _num(total), bool(postfix)
     except ValueError:
         return None
 
@@ -215,16 +256,16 @@ def _parse_tqdm(line: str) -> ProgressEvent | None:
     start = _total_from(line)
     m = _TQDM_TOTAL.search(line, start) if start >= 0 else None
     if m:
-        n_txt, total_txt = m["n"], m["total"]
-        scaled = any(c in "kMGTPEZY." for c in n_txt + total_txt)
+        n_txt, total_txt, elapsed, remaining, rate_txt, postfix = m.group(
+            "n", "total", "elapsed", "remaining", "rate", "postfix")
+        # `n` holds \d, dots and SI letters only: scaled where it is not all decimal digits
+        scaled = not (n_txt + total_txt).isdecimal()
         done, total = _num(n_txt), _num(total_txt)
-        rate, unit = _rate(m["rate"], scaled)
-        lbar = _LBAR.search(line[: m.start()])
-        desc = lbar["desc"] if lbar and lbar["desc"] else None
+        rate, unit = _rate(rate_txt, scaled)
         return made(ProgressEvent, _EVENT_DEFAULTS, dict(
-            done=done, total=total, rate_per_s=rate, elapsed_s=_interval(m["elapsed"]),
-            remaining_s=_interval(m["remaining"]), source="tqdm", postfix=_postfix(m["postfix"]),
-            desc=desc, unit=unit,
+            done=done, total=total, rate_per_s=rate, elapsed_s=_interval(elapsed),
+            remaining_s=_interval(remaining), source="tqdm", postfix=_postfix(postfix),
+            desc=_desc(line[: m.start()]), unit=unit,
         ))
     m = _TQDM_NOTOTAL.search(line)
     if m:
@@ -410,10 +451,15 @@ class TracebackTracker:
     HEAD, TAIL, AFTER_LINES, LINE_CHARS = 8, 40, 10, 400
 
     def __init__(self) -> None:
+        self._state = ""  # not yet "none": reset() fills every field
         self.reset()
         self.seen = 0  # blocks started, over the whole log
 
     def reset(self) -> None:
+        """Forget the block under way. Called on every progress change (~5 a tick): with no
+        block begun (state "none", which only reset() enters) there is nothing to forget."""
+        if self._state == "none":
+            return
         self._head: list[str] = []
         self._tail: list[str] = []
         self._omitted = 0
