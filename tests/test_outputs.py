@@ -498,3 +498,49 @@ def test_event_path_made_relative_as_relpath_does(base: str, tail: str, tmp_path
     probe._base = base.rstrip("/") or "/"
     path = f"{probe._base.rstrip('/')}/{tail}" if tail else probe._base
     assert probe._rel(path) == os.path.relpath(path, probe._base)
+
+
+def test_a_periodic_sweep_under_inotify_checks_names_and_leaves_cold_files_alone(
+        tmp_path, clock, make_probe, monkeypatch):
+    """The directory being written, re-listed each period: while the watch reported everything,
+    its names are compared in C and only the evented and hot files are lstat'ed. The index
+    ends as the scandir listing leaves it (a twin probe that always lists by scandir)."""
+    out = tmp_path / "hs"
+    rows = out / "rows_0-2000"
+    for i in range(300):
+        write(rows / f"data_{i}.pt", 10)
+    old = time.time() - 3600
+    for p in [*rows.iterdir(), rows, out]:
+        os.utime(p, (old, old))
+    quick = make_probe(out, clock=clock, reconcile_every_s=30.0)
+    twin = make_probe(out, clock=clock, reconcile_every_s=30.0)
+    monkeypatch.setattr(twin, "_relist_by_name", lambda *a: None)
+    quick.collect(), twin.collect()
+    for i in range(300, 305):
+        write(rows / f"data_{i}.pt", 20)
+    wait_for(quick, lambda o: o.file_count == 305)
+    wait_for(twin, lambda o: o.file_count == 305)
+    # new since the last drain and one grown: the sweep finds them first (4 changes), as scandir would
+    for i in range(305, 308):
+        write(rows / f"data_{i}.pt", 30)
+    (rows / "data_300.pt").write_bytes(b"y" * 99)  # a hot file grown
+    time.sleep(0.05)  # the kernel queues the events; the next collect drains them
+    listed: list[str] = []
+    real_scandir = os.scandir
+
+    def counting_scandir(p):
+        listed.append(os.fspath(p))
+        return real_scandir(p)
+
+    clock.advance(30)
+    monkeypatch.setattr(outputs_mod.os, "scandir", counting_scandir)
+    a = quick.collect()
+    assert quick._sweep is None and a.reconciliations == 2
+    assert listed == []  # rows checked by name: no scandir, no Python step over its 300 cold files
+    b = twin.collect()
+    assert listed == [str(rows)]
+    assert (a.file_count, a.total_bytes, a.reconcile_changes, a.reconciliations) == \
+        (b.file_count, b.total_bytes, b.reconcile_changes, b.reconciliations) == (308, 3269, 4, 2)
+    assert [f.path for f in a.recent] == [f.path for f in b.recent]
+    assert {k: d.files for k, d in quick._dirs.items()} == {k: d.files for k, d in twin._dirs.items()}
+    assert list(quick._hot) == list(twin._hot)

@@ -14,6 +14,10 @@ git" problem). Sizes of files written in place do not touch the directory's mtim
 changed files ("hot", a bounded set) are re-stat'ed every tick, and each reconciliation re-lists
 and re-stats a rotating share of the directories, all of them over `full_every` reconciliations,
 which also catches an old file rewritten in place (in slices, so 10^6 files cost no 3 s tick).
+While the inotify watch has reported every change since the last whole sweep, a periodic
+sweep compares a changed directory's names with the index in C and lstats only the names that
+events are pending for and the hot files (_relist_by_name): a name no event told of sends the
+directory to the scandir listing, so a silently lost event is still found within a period.
 
 The periodic reconciliation is also spread over ticks: a sweep is an iterative walk (a stack of
 directories) resumed on the next tick, and each tick adds `reconcile_slice_entries` of credit
@@ -304,11 +308,13 @@ class OutputsProbe:
     # -- reconciliation
 
     def _walk(self, stack: list[str], now: float, full: bool, seen: set[str], phase: int | None = None,
-              sweep: _Sweep | None = None) -> int:
+              sweep: _Sweep | None = None, quick: bool = False) -> int:
         """Bring the index under the directories on `stack` in line with the disk; returns the
         differences found. full: re-list and re-stat everything; phase: only the directories in
-        that slice. With `sweep`: stops when its credit is spent, `stack` left as it is."""
+        that slice. With `sweep`: stops when its credit is spent, `stack` left as it is. quick:
+        a directory whose names events kept may be checked by name (_relist_by_name)."""
         changes = 0
+        quick = quick and self._match is None and self._watching()
         while stack and (sweep is None or self._credit > 0):
             rel = stack.pop()
             if sweep is not None:
@@ -327,6 +333,15 @@ class OutputsProbe:
                 stack.extend(_join(rel, s) for s in d.subdirs)
                 continue
             listed_ns = time.time_ns()  # compared with filesystem mtimes, so real wall time
+            if quick and d is not None and not dfull and d.mtime_ns >= 0:
+                found = self._relist_by_name(rel, path, d, now)
+                if found is not None:
+                    if sweep is not None:
+                        self._credit -= found[1]
+                    changes += found[0]
+                    d.mtime_ns, d.listed_ns = st.st_mtime_ns, listed_ns
+                    stack.extend(_join(rel, s) for s in d.subdirs)
+                    continue
             try:
                 with os.scandir(path) as it:
                     entries = list(it)
@@ -372,6 +387,60 @@ class OutputsProbe:
             stack.extend(_join(rel, s) for s in subdirs)
         return changes
 
+    def _relist_by_name(self, rel: str, path: str, d: _Dir, now: float) -> tuple[int, int] | None:
+        """The listing of a known directory, for a periodic sweep while the inotify watch has
+        reported every change since the index was last made whole (a lost event ends the sliced
+        sweep: the next is whole, by scandir). Its names are compared with the index in C, and
+        only the names that events are pending for and the hot files are lstat'ed, in listing
+        order, as the scandir loop would: what that loop does, without a Python step for each
+        of the directory's thousands of cold files (issue 17: the directory being written was
+        listed whole every period). None, and nothing changed, where the names say more than
+        events did (a name gone or new without an event, a file now a directory): the caller
+        lists it by scandir. Returns (differences, names listed)."""
+        try:
+            names = os.listdir(path)
+        except OSError:
+            return None  # the scandir below says why
+        listed = set(names)
+        new = listed.difference(d.files, d.subdirs)
+        # every indexed name still there, none both a file and a directory in the index
+        if len(listed) - len(new) != len(d.files) + len(d.subdirs) or len(self._pending) > 4096:
+            return None
+        base = self._base if self._base.endswith("/") else self._base + "/"
+        prefix = base + rel + "/" if rel else base
+        cut = len(prefix)
+        evented = {p[cut:] for p in self._pending if p.startswith(prefix) and "/" not in p[cut:]}
+        if not new <= evented:
+            return None  # a name no event told of
+        hot_prefix = rel + "/" if rel else ""
+        cut = len(hot_prefix)
+        hot = {h[cut:] for h in self._hot if h.startswith(hot_prefix) and "/" not in h[cut:]}
+        look = evented | hot
+        # The scandir loop re-stats a new or hot file only: a cold one's cached stat stands (its
+        # event, if any, is applied right after the sweep). Evented names are lstat'ed anyway,
+        # for their kind.
+        stats: list[tuple[str, os.stat_result | None]] = []
+        for name in names if look else ():
+            if name in look:
+                try:
+                    st = os.lstat(path + "/" + name)
+                except OSError:
+                    st = None
+                if st is not None and stat.S_ISDIR(st.st_mode) != (name in d.subdirs):
+                    return None  # a file now a directory, a new directory, or the reverse
+                if name not in d.subdirs and (name in hot or name not in d.files):
+                    stats.append((name, st))
+        changes = 0
+        gone: set[str] = set()
+        for name, st in stats:
+            if st is None:
+                gone.add(name)  # vanished since the listing, as the scandir loop's failed stat
+            else:
+                changes += self._put(rel, name, st.st_size, st.st_mtime_ns, now)
+        for name in [n for n in d.files if n in gone] if gone else ():
+            changes += self._drop(rel, name, now)
+        return changes, len(names)
+
     def _reconcile(self, now: float, full: bool, phase: int | None = None, sliced: bool = False) -> None:
         """Start a sweep (in place of one under way) and run it: whole, or its first slice."""
         self._sweep = _Sweep(full=full, phase=phase, known=set(self._dirs))
@@ -386,7 +455,9 @@ class OutputsProbe:
             self._credit = min(self._credit + self.reconcile_slice_entries, self.reconcile_slice_entries)
         else:
             self._credit = 1 << 62  # whole: no limit that a tree can reach
-        sw.changes += self._walk(sw.stack, now, sw.full, sw.seen, sw.phase, sweep=sw)
+        # Sliced: the periodic sweep, which may check names only (_relist_by_name); a whole one
+        # follows lost events or a restarted watch, and lists by scandir.
+        sw.changes += self._walk(sw.stack, now, sw.full, sw.seen, sw.phase, sweep=sw, quick=sliced)
         if not sliced:
             self._credit = 0
         if sw.stack:
