@@ -406,7 +406,16 @@ def parse_fdinfo(text: str) -> tuple[int | None, int | None]:
 
 def parse_fdinfo_ino(text: str) -> tuple[int | None, int | None, int | None]:
     """(pos, flags, ino) from /proc/PID/fdinfo/FD: ino (None where the kernel does not show it;
-    6.18 does) names the file the fd stands for, so an fd opened again on another file shows."""
+    6.18 does) names the file the fd stands for, so an fd opened again on another file shows.
+
+    The kernel's layout (pos, flags, mnt_id, ino: seq_show in fs/proc/fd.c, then lines of the
+    file's own) is read from one split; anything else line by line below."""
+    words = text.split(None, 8)
+    if len(words) >= 8 and words[0] == "pos:" and words[2] == "flags:" and words[6] == "ino:":
+        try:
+            return int(words[1]), int(words[3], 8), int(words[7])
+        except ValueError:
+            pass  # the general parse below says what is wrong
     pos = flags = ino = None
     for line in text.splitlines():
         key, _, value = line.partition(":")

@@ -23,6 +23,7 @@ another start time is a different process, and the job it stood for is reported 
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 import threading
@@ -213,6 +214,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         self._fd_counts_ok: bool | None = None
         self._live_before: set[tuple[int, int]] = set()  # identities at the last _forget
         self._ranks: dict[tuple[int, int], torchrun.RankInfo | None] = {}
+        self._launchers: dict[tuple[str, tuple[str, ...]], bool] = {}  # (comm, argv) -> agent?
         self._exits: list[_Exit] = []
         self._noted: dict[tuple[int, int | None], int] = {}
         self._lock = threading.Lock()  # note_exit comes from the supervisor's thread
@@ -286,13 +288,13 @@ class ProcessesProbe(TreeWalk, ThreadReader):
 
         live = {k[0] for k in members}
         return built(ProcessesObs, dict(  # unvalidated, as ProcessObs: our own typed values
-            targets=tuple(p for p, s in targets if p in live),
+            targets=tuple([p for p, s in targets if p in live]),
             processes=tuple(observed),
             exited=self._exit_obs(tick.now),
             missing=tuple(sorted(self._missing)),
-            reused=tuple(p for p in self._explicit
-                         if p in self._job and p in stats and stats[p].start_ticks != self._job[p]),
-            zombies=tuple(o.pid for o in observed if o.state == "Z"),
+            reused=tuple([p for p in self._explicit if p in self._job and p in stats
+                          and stats[p].start_ticks != self._job[p]]),
+            zombies=tuple([o.pid for o in observed if o.state == "Z"]),
             denied=tuple(sorted(tick.denied)),
             truncated=budget.reason, tree_processes=len(tree),
             watched_processes=len(observed), watched_threads=budget.threads,
@@ -301,7 +303,18 @@ class ProcessesProbe(TreeWalk, ThreadReader):
     def _torchrun(self, observed: list[ProcessObs]) -> list[ProcessObs]:
         """Mark torchrun agents and read their workers' ranks: a worker's environment only when
         it has the agent's uid (the job's user could read it too), once per identity."""
-        launchers = {o.pid: o.uid for o in observed if torchrun.is_launcher(o.comm, o.argv)}
+        known = self._launchers
+        launchers = {}
+        for o in observed:
+            # Once per command (argv is read once per identity): basename of each word a tick
+            # for every process was most of this step.
+            it = known.get((o.comm, o.argv))
+            if it is None:
+                if len(known) > _MAX_SOCKETS_REMEMBERED:
+                    known.clear()
+                it = known[(o.comm, o.argv)] = torchrun.is_launcher(o.comm, o.argv)
+            if it:
+                launchers[o.pid] = o.uid
         if not launchers:
             return observed
         out = []
@@ -574,10 +587,9 @@ class ProcessesProbe(TreeWalk, ThreadReader):
                  tick: _Tick) -> tuple[object, ...]:
         """The fdinfo of each shown regular file, kept like status and io, and released with
         them when the process leaves; None for the others."""
-        kept = self._kept_parsed
-        return tuple(None if path is None else kept(path, procfs.parse_fdinfo_ino, "fdinfo",
-                                                     tick.denied)
-                     for _, _, path in shown)
+        kept, denied, parse = self._kept_parsed, tick.denied, procfs.parse_fdinfo_ino
+        return tuple([None if path is None else kept(path, parse, "fdinfo", denied)
+                      for _, _, path in shown])
 
     def _fd_counts(self) -> bool:
         """Whether this procfs gives a process's count of open fds as its fd directory's size
@@ -626,8 +638,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             infos = table.infos  # read by _same_files this tick
         else:
             infos = self._fdinfos(pid, table.shown, tick)
-        if table.files and len(infos) == len(table.infos) and all(
-                a is b for a, b in zip(infos, table.infos, strict=True)):
+        if table.files and _same_objects(infos, table.infos):
             return table.files, table.truncated, sockets
         old, new, files = table.built, {}, []
         for (fd, path, _), info in zip(table.shown, infos, strict=True):
@@ -707,6 +718,8 @@ class ProcessesProbe(TreeWalk, ThreadReader):
     # ---------------------------------------------------------------------------------- exits
 
     def _notice_exits(self, members: dict[tuple[int, int], _Member], now: float) -> None:
+        if members.keys() >= self._members.keys():
+            return  # none left the tree (a set comparison in C, every tick)
         wall = self.clock.time()
         with self._lock:
             for (pid, start), m in self._members.items():
@@ -724,6 +737,8 @@ class ProcessesProbe(TreeWalk, ThreadReader):
                 ))
 
     def _exit_obs(self, now: float) -> tuple[ExitObs, ...]:
+        if not self._exits:  # read without the lock: note_exit only appends
+            return ()
         with self._lock:
             # Target exits stay (a crash verdict must not fade); descendants' only for a while,
             # since data-loader workers come and go by the hundred.
@@ -778,3 +793,8 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             with self._lock:
                 watched = {pid for pid, _ in self._members}
                 self._noted = {k: v for k, v in self._noted.items() if k[0] in watched}
+
+
+def _same_objects(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
+    """Whether two tuples hold the very same objects, in order (in C: no generator a tick)."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))

@@ -94,24 +94,32 @@ class _ThreadMemo:
     kids: list[int] = field(default_factory=list)
 
 
-@dataclass
 class _Tick:
-    now: float
-    denied: set[str] = field(default_factory=set)
-    net: dict[str, dict[int, str]] = field(default_factory=dict)  # ns -> inode -> net/tcp* line
-    unix: dict[str, frozenset[int]] = field(default_factory=dict)  # ns -> net/unix's inodes
-    uptime_s: float | None = None
-    # Read by the tree walk at the start of the tick, reused by the thread reads after it.
-    tids: dict[int, list[int]] = field(default_factory=dict)
-    sched: dict[tuple[int, int], bytes | None] = field(default_factory=dict)  # threads with no memo
-    # pid -> its memos, one per listed thread, each with this tick's schedstat (sched_now): the
-    # tree walk read them all through their held descriptors.
-    rows: dict[int, list[_ThreadMemo]] = field(default_factory=dict)
-    number: int = 0  # collects before this one: picks the idle threads whose stat is re-read
-    memos_seen: int = 0  # thread memos stamped this tick: _forget rebuilds only when some are stale
-    # pid -> its main thread's task/PID/status, when read this tick (it ran): the process's own
-    # status is the same rendering of the same task, so it is not read and parsed again.
-    leader_status: dict[int, procfs.Status] = field(default_factory=dict)
+    """One collect's scratch. A plain slotted class: a dataclass's generated __init__ tests a
+    sentinel for each default factory, per collect (procs7)."""
+
+    __slots__ = ("now", "denied", "net", "unix", "uptime_s", "tids", "sched", "rows", "number",
+                 "memos_seen", "leader_status")
+
+    def __init__(self, now: float, number: int = 0) -> None:
+        self.now = now
+        self.denied: set[str] = set()
+        self.net: dict[str, dict[int, str]] = {}  # ns -> inode -> net/tcp* line
+        self.unix: dict[str, frozenset[int]] = {}  # ns -> net/unix's inodes
+        self.uptime_s: float | None = None
+        # Read by the tree walk at the start of the tick, reused by the thread reads after it.
+        self.tids: dict[int, list[int]] = {}
+        # threads with no memo: their schedstat
+        self.sched: dict[tuple[int, int], bytes | None] = {}
+        # pid -> its memos, one per listed thread, each with this tick's schedstat (sched_now):
+        # the tree walk read them all through their held descriptors.
+        self.rows: dict[int, list[_ThreadMemo]] = {}
+        self.number = number  # collects before this one: picks the idle threads whose stat is re-read
+        # thread memos stamped this tick: _forget rebuilds only when some are stale
+        self.memos_seen = 0
+        # pid -> its main thread's task/PID/status, when read this tick (it ran): the process's
+        # own status is the same rendering of the same task, so it is not read and parsed again.
+        self.leader_status: dict[int, procfs.Status] = {}
 
 
 @dataclass(frozen=True, slots=True)
