@@ -283,6 +283,7 @@ class Evaluator:
         # The last variables normalised (a plain dict without odd values), whose unchanged
         # subtrees the next tick's reuse (expr.renormalise); None after any other input.
         self._plain: dict[str, Any] | None = None
+        self._raw: dict[str, Any] | None = None  # the variables `_plain` was made of
         self.health_changes = 0  # how many times a rule's health changed: what savers compare
         self._all_ok = -1  # health_changes when every rule was last seen ok
         self._health_shot: tuple[int, tuple[RuleStatus, ...]] | None = None
@@ -386,6 +387,10 @@ class Evaluator:
     # -- evaluation
 
     def evaluate(self, data: Mapping[str, Any] | Vars, now: float) -> Evaluation:
+        """Every rule over the variables `data` at monotonic time `now`. A dict or list in
+        `data` (two levels down) that is the very object the last call's held is taken as
+        unchanged (expr.renormalise): change none in place between calls; build anew what
+        changed, as features() does."""
         if self._last is not None and now < self._last:
             raise ValueError(f"time went backwards: {now} < {self._last}")
         self._last = now
@@ -398,8 +403,9 @@ class Evaluator:
             plain: Any = data
         elif type(data) is dict:
             prev = self._plain
-            plain, same = renormalise(data, prev, odd)
+            plain, same = renormalise(data, prev, odd, raw=self._raw)
             self._plain = None if odd else plain
+            self._raw = data  # what `plain` was made of (renormalise reads it with `_plain` alone)
             if prev is None:
                 same = None  # nothing to compare with: every rule's slice is compared
         else:

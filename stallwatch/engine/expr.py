@@ -284,7 +284,8 @@ _MISSING = object()
 
 
 def renormalise(value: dict[str, Any], prev: dict[str, Any] | None, odd: list,
-                depth: int = 2) -> tuple[dict[str, Any], dict[str, Any]]:
+                depth: int = 2, raw: dict[str, Any] | None = None
+                ) -> tuple[dict[str, Any], dict[str, Any]]:
     """`normalise(value, odd)` of a dict, reusing the subtrees of `prev` (the last call's result)
     that equal `value`'s, `depth` levels down; and the tree of what did not change: key -> None
     (the whole value equals the last one) or key -> the same tree one level down (a dict some of
@@ -296,19 +297,29 @@ def renormalise(value: dict[str, Any], prev: dict[str, Any] | None, odd: list,
 
     "Equal" is Python's `==`, as the evaluator's memo of each rule's inputs compares them
     (so `True` and `1.0` are alike); only plain dicts and lists are reused, and a value of a type
-    `normalise` reports in `odd` is reused never: pass prev=None after a call that found one."""
+    `normalise` reports in `odd` is reused never: pass prev=None after a call that found one.
+
+    `raw` is the last call's `value` (with its `prev`): a dict or list of `value` that is the very
+    object it held is taken as unchanged without comparing it. So nothing may change such a
+    value in place between calls: features() hands on the parts that did not change that way
+    (the job's, the server's, a process list; issue 17, sixth pass), and builds the rest anew."""
     out: dict[str, Any] = {}
     same: dict[str, Any] = {}
     last: dict[str, Any] = prev if prev is not None else {}
+    was: dict[str, Any] = raw if raw is not None and prev is not None else {}
     for k, v in value.items():
         p = last.get(k, _MISSING)
+        tv = type(v)
+        if (tv is dict or tv is list) and p is not _MISSING and was.get(k) is v:
+            out[k] = p  # (a key of `was` is one of `last` too: the same call made both)
+            same[k] = None
+            continue
         if p is _MISSING or type(k) is not str:  # (a key of `last` is valid text already)
             if type(k) is not str:
                 odd.append(type(k))
             elif not k.isascii():
                 k = safe_text(k)
                 p = last.get(k, _MISSING)
-        tv = type(v)
         if tv is float or tv is bool or v is None or (
                 tv is str and ((type(p) is str and p == v) or v.isascii())):
             # a plain leaf, most of what a tick brings: compared as below, in one step (a
@@ -326,7 +337,9 @@ def renormalise(value: dict[str, Any], prev: dict[str, Any] | None, odd: list,
             same[k] = None
             continue
         elif tv is dict and depth > 1 and type(p) is dict:
-            out[k], same[k] = renormalise(v, p, odd, depth - 1)
+            below = was.get(k)
+            out[k], same[k] = renormalise(v, p, odd, depth - 1,
+                                          below if type(below) is dict else None)
             continue
         else:
             n = normalise(v, odd)
