@@ -71,17 +71,18 @@ class JobRunner(JobRun):
             self.start_first()
 
     def tick(self) -> None:
-        if self.phase in TERMINAL and self.recovery is None:
+        if self._phase in TERMINAL and self.recovery is None:
             self._poll_evidence()  # a bundle still being written for its last incident
             return
-        if self.cfg.supervised:
+        supervised = self.cfg.supervised
+        if supervised:
             self._poll_run()
             if self._ended_by_slurm():
                 return
         recheck = None
-        if not self.cfg.supervised and self.cfg.pid_file is not None:
+        if not supervised and self.cfg.pid_file is not None:
             recheck = self._poll_pid_file(self.cfg.pid_file)
-        collector = self._ensure_collector()
+        collector = self.collector or self._ensure_collector()
         snap = collector.tick(also=recheck)
         self._say_log_refused(snap)
         v = features(snap)
@@ -104,17 +105,22 @@ class JobRunner(JobRun):
             verdict = self.synthetic
         self.verdict = verdict
         self._persist(snap, verdict)
-        self._poll_evidence()
+        if self.incidents:  # else _poll_evidence has none to look at
+            self._poll_evidence()
         self._incidents(snap, ev, v, verdict)
-        self._act(snap, v, verdict)
+        if verdict.kind in self.incidents:  # else _act has nothing to act on
+            self._act(snap, v, verdict)
         if self.recovery is not None:
             self.recovery.step(snap)
             if self.recovery.finished:
                 if self.recovery.dry_run_walked:  # not walked again for the same incident
                     self.dry_run_done.add(self.recovery.incident_id)
                 self.recovery = None
-        self._settle(verdict)
-        self._forget_streak_after_a_good_run()
+        # Both are about a run stallwatch started (the cfg as it is now: the recovery may have
+        # just made the job its restart_command's run).
+        if self.cfg.supervised:
+            self._settle(verdict)
+            self._forget_streak_after_a_good_run()
         if recheck is not None and self.cfg.pid_file is not None:
             # Last: this tick's rows and actions are about the process it collected; a new pid
             # is the next tick's target (and the job row's pid from then on, not one tick back).

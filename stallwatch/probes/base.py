@@ -188,18 +188,20 @@ HANDOFF_SHARE = 0.25
 
 
 class Call:
-    """One call of a batch: run by exactly one thread (the lane, or a worker of its own)."""
+    """One call of a batch: run by exactly one thread (the lane, or a worker of its own).
 
-    __slots__ = ("name", "fn", "done", "value", "error", "started", "finished", "batch")
+    What it has not set yet reads as the class's defaults (no __slots__: eight stores a call,
+    some ten calls a tick, were most of making one; issue 17)."""
+
+    done = False
+    value: Any = None
+    error: BaseException | None = None
+    started: float | None = None
+    finished: float | None = None
+    batch: Batch | None = None
 
     def __init__(self, name: str, fn) -> None:
         self.name, self.fn = name, fn
-        self.done = False
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self.started: float | None = None
-        self.finished: float | None = None
-        self.batch: Batch | None = None
 
 
 class Batch:
@@ -245,10 +247,12 @@ class Batch:
 
     def take(self) -> Call | None:
         """The next call no thread has begun (it is the caller's to run), or None."""
-        try:
-            return self._todo.popleft()
-        except IndexError:
-            return None
+        if self._todo:  # the usual end: no IndexError raised and caught
+            try:
+                return self._todo.popleft()
+            except IndexError:  # the other taker took the last one since the look
+                pass
+        return None
 
     def wait_for(self, calls: list[Call], timeout_s: float) -> bool:
         """True once each of `calls` has ended (the others may still run)."""
@@ -286,10 +290,10 @@ class Batch:
 
     def run_lane(self) -> None:
         todo, run = self._todo, self.run
-        while True:
+        while todo:  # the usual end: no IndexError raised and caught
             try:
                 call = todo.popleft()
-            except IndexError:
+            except IndexError:  # a hand-out took the last one since the look
                 return
             # Named the lane's at once after it is taken: the next batch is started (Lane.start
             # reads this) only after this one is done or handed out, seconds later.
@@ -371,39 +375,42 @@ class DeadlineRunner:
 
     def call_many(self, calls: list[tuple[str, Any, float]]) -> list[tuple[Any, ProbeReport]]:
         """Run the calls in one batch, then take each by its own deadline (from now)."""
+        if not calls:
+            return []
         t0 = self._clock.monotonic()
-        started: list[tuple[str, Call | None, float]] = []
+        mine: list[Call | None] = []  # each call's Call; None: its name's last is still stuck
         fresh: list[Call] = []
         inflight = self._inflight
         with self._lock:
-            for name, fn, deadline_s in calls:
+            for name, fn, _ in calls:
                 prev = inflight.get(name)
                 if prev is not None and not prev.done:
-                    started.append((name, None, deadline_s))  # still stuck: `busy`
+                    mine.append(None)  # `busy`
                 else:
                     inflight[name] = new = Call(name, fn)
                     fresh.append(new)
-                    started.append((name, new, deadline_s))
+                    mine.append(new)
         batch = self._lane.start(fresh)
+        shortest = min([c[2] for c in calls])
+        # What is raised while this thread waits (a KeyboardInterrupt: Ctrl-C, or the SIGINT
+        # that stops `stallwatch record`) is the caller's and propagates; a probe's own
+        # failure is its call's `error`, read in _report.
+        self._lane.wait(batch, t0 + HANDOFF_SHARE * shortest, t0 + shortest)
+        if batch.done():  # all ended within the shortest deadline: each in time (the usual)
+            return [(call.value, ok_report(call.name, (call.finished or t0) - t0))
+                    if call is not None and call.error is None  # _report's usual answer
+                    else self._report(c[0], call, c[2], t0, call is not None)
+                    for c, call in zip(calls, mine, strict=True)]
+        started = [(name, call, deadline_s)
+                   for (name, _, deadline_s), call in zip(calls, mine, strict=True)]
         in_time: list[bool] = [False] * len(started)
-        if started:
-            shortest = min([d for _, _, d in started])
-            # What is raised while this thread waits (a KeyboardInterrupt: Ctrl-C, or the SIGINT
-            # that stops `stallwatch record`) is the caller's and propagates; a probe's own
-            # failure is its call's `error`, read in _report.
-            self._lane.wait(batch, t0 + HANDOFF_SHARE * shortest, t0 + shortest)
-            if batch.done():  # all ended within the shortest deadline: each in time (the usual)
-                return [(call.value, ok_report(name, (call.finished or t0) - t0))
-                        if call is not None and call.error is None  # _report's usual answer
-                        else self._report(name, call, deadline_s, t0, call is not None)
-                        for name, call, deadline_s in started]
-            for deadline_s in sorted({d for _, _, d in started}):  # each call, at its deadline
-                if deadline_s > shortest:  # wait on for the calls with this deadline or longer
-                    batch.wait_for([c for _, c, d in started if c is not None and d >= deadline_s],
-                                   t0 + deadline_s - self._clock.monotonic())
-                for i, (_, call, d) in enumerate(started):
-                    if d == deadline_s:
-                        in_time[i] = call is not None and call.done
+        for deadline_s in sorted({d for _, _, d in started}):  # each call, at its deadline
+            if deadline_s > shortest:  # wait on for the calls with this deadline or longer
+                batch.wait_for([c for _, c, d in started if c is not None and d >= deadline_s],
+                               t0 + deadline_s - self._clock.monotonic())
+            for i, (_, call, d) in enumerate(started):
+                if d == deadline_s:
+                    in_time[i] = call is not None and call.done
         return [self._report(name, call, deadline_s, t0, done)
                 for (name, call, deadline_s), done in zip(started, in_time, strict=True)]
 

@@ -121,10 +121,6 @@ class Collector:
         t0 = clock.monotonic()
         plan = self._plan or self._make_plan()
         last = self._last
-        # Each probe's (value, final report) got without the lane, or None: in the batch (a
-        # probe with neither hook always is).
-        got = [None if e[3] is None and e[4] is None else self._without_worker(e, last)
-               for e in plan]
         procs: list[ProcessesObs] = []
         # Held until the processes probe's call ends: a bare lock is the cheapest thing to wait
         # on (an Event makes a Condition and a lock per tick).
@@ -151,8 +147,16 @@ class Collector:
             return self.disks.collect()
 
         deadline_s, processes_probe = self.deadline_s, self.processes
-        batch = [(e[1], processes if e[0] is processes_probe else e[0].collect, deadline_s)
-                 for e, g in zip(plan, got, strict=True) if g is None]
+        # Each probe's (value, final report) got without the lane, or None: in the batch (a
+        # probe with neither hook always is).
+        got: list[tuple[Any, ProbeReport] | None] = []
+        batch: list[tuple[str, Callable[[], Any], float]] = []
+        for e in plan:
+            g = None if e[3] is None and e[4] is None else self._without_worker(e, last)
+            got.append(g)
+            if g is None:
+                batch.append((e[1], processes if e[0] is processes_probe else e[0].collect,
+                              deadline_s))
         # Its own statvfs deadline (and a second) after the processes probe's, as when it ran
         # after the others: a slow processes probe must not leave it no time.
         batch.append((self.disks.name, disks, deadline_s + self.disks.statvfs_deadline_s + 1.0))
