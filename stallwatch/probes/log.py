@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from collections.abc import Iterable
 from itertools import pairwise
 from typing import Literal
 
@@ -114,7 +115,7 @@ def _history_pace(marks: list[tuple[LineTime | None, float]]
     return deltas, rate, span, run[0][0].style
 
 
-def _p90(xs: list[float]) -> float:
+def _p90(xs: Iterable[float]) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, round(0.9 * (len(s) - 1)))]
 
@@ -383,7 +384,7 @@ class LogProbe:
         s = max(0.0, s)
         self._seq += 1
         if len(self._intervals) >= self.OUTLIER_MIN_SAMPLES:
-            bound = max(self.OUTLIER_MIN_S, self.OUTLIER_P90_FACTOR * _p90(list(self._intervals)))
+            bound = max(self.OUTLIER_MIN_S, self.OUTLIER_P90_FACTOR * _p90(self._intervals))
             if s > bound:
                 # A gap far beyond the rhythm is kept out of it unless one of at least half its
                 # length came within the ring's span. A one-off is likely a stall that ended on
