@@ -91,11 +91,19 @@ class Roots:
         """Names with their inode numbers, from the directory entries (no stat of each). A
         /proc/PID directory's inode is made for its process: a pid reused by another process
         lists with another number."""
+        # Through a descriptor: scandir(fd) builds no path per entry (a fifth less, on a
+        # listing of /proc every ten ticks: procs7).
         try:
-            with os.scandir(path) as entries:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            _raise_mapped(e, path)
+        try:
+            with os.scandir(fd) as entries:
                 return [(e.name, e.inode()) for e in entries]
         except OSError as e:
             _raise_mapped(e, path)
+        finally:
+            os.close(fd)
 
 
 def read_all(fd: int, limit: int) -> bytes:

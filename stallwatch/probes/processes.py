@@ -50,6 +50,9 @@ __all__ = ["ExitObs", "IoObs", "OpenFileObs", "ProcessObs", "ProcessesObs", "Pro
            "SocketObs", "TargetSpec", "ThreadObs"]
 
 T = TypeVar("T")
+# procfs.Io is a named tuple of IoObs's fields, in its order: an IoObs is built from it in C.
+_IO_FIELDS = tuple(IoObs.model_fields)
+assert procfs.Io._fields == _IO_FIELDS
 # Socket inodes remembered per network namespace as unix or TCP (ProcessesProbe._tcp): past this
 # many the set starts over, so a job that opens and closes sockets all day costs bounded memory.
 _MAX_SOCKETS_REMEMBERED = 4096
@@ -482,10 +485,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             blkio_delay_s=(None if st.blkio_delay_ticks is None
                            else st.blkio_delay_ticks / self._tck),
             rss_bytes=status.rss_bytes if status else None, num_threads=st.num_threads,
-            io=built(IoObs, {"rchar": io.rchar, "wchar": io.wchar, "syscr": io.syscr,
-                             "syscw": io.syscw, "read_bytes": io.read_bytes,
-                             "write_bytes": io.write_bytes,
-                             "cancelled_write_bytes": io.cancelled_write_bytes}) if io else None,
+            io=built(IoObs, dict(zip(_IO_FIELDS, io, strict=True))) if io else None,
             io_unchanged_for_s=io_unchanged,
             num_fds=None if fds is None else len(fds),
             open_files=files, open_files_truncated=truncated, tcp=sockets, exit_code=exit_code,

@@ -150,8 +150,7 @@ class ThreadReader:
         denied: set[str] = set()
         opt = self._kept_optional
         wchan = opt(f"{d}/wchan", procfs.parse_wchan, "wchan", denied) if blocked else None
-        sc = opt(f"{d}/syscall", lambda s: procfs.parse_syscall(s, self._syscalls),
-                 "syscall", denied) if blocked else None
+        sc = opt(f"{d}/syscall", self._parse_syscall, "syscall", denied) if blocked else None
         stack = (opt(f"{d}/stack", procfs.parse_stack, "stack", denied)
                  if blocked and self.read_stacks else None)
         ran_up = (self._ran_uptime(opt(f"{d}/sched", procfs.parse_sched_last_run,
@@ -205,6 +204,10 @@ class ThreadReader:
                 pass
         tick.memos_seen += 1
         return obs
+
+    def _parse_syscall(self, text: str) -> procfs.Syscall:
+        """procfs.parse_syscall with this probe's table (a method: not a closure made a call)."""
+        return procfs.parse_syscall(text, self._syscalls)
 
     def _sched_of(self, memo: _ThreadMemo) -> bytes | None:
         """A remembered thread's schedstat: through its held descriptor, or by path."""
