@@ -11,7 +11,8 @@ pread), and for a thread that ran or changed state its status (and wchan, syscal
 when it is off-CPU) — what stallwatch reads since issue 17 — the process's status, io, fdinfo of
 its regular files, its fd table and cwd (listed, each fd's readlink) when the count of open fds
 moved, when its threads stopped running, or one tick in 8, the TCP socket tables
-when it holds a socket that net/unix does not name; /proc/uptime; the log's new bytes (open,
+when it holds a socket that net/unix does not name (not /proc/uptime: stallwatch takes it
+from CLOCK_BOOTTIME on the host, which that file shows); the log's new bytes (open,
 fstat, pread from the remembered offset, close);
 /dev/kmsg's new records; mountinfo (kept open, re-read when poll() reports a mount change),
 diskstats, the sysfs entries of the watched paths' block devices (every 60 s), statvfs of each
@@ -276,7 +277,6 @@ class Floor:
             tree.append(p)
             todo += children.get(p, [])
         write_dirs: set[str] = set()
-        uptime_read = False
         tables, self.tables = self.tables, {}  # those of the tree's processes only
         for p in tree:
             d = f"/proc/{p}"
@@ -298,9 +298,6 @@ class Floor:
                     read(f"{td}/wchan")
                     read(f"{td}/syscall")
                     read(f"{td}/stack")
-                    if not uptime_read:
-                        read("/proc/uptime")
-                        uptime_read = True
                     read(f"{td}/sched")
             read(f"{d}/status")
             read(f"{d}/io")

@@ -631,6 +631,24 @@ def test_records_are_written_in_their_declared_order_so_built_keeps_the_dict(
     assert a.__pydantic_fields_set__ is not b.__pydantic_fields_set__
 
 
+def test_uptime_is_taken_from_the_boot_clock_on_the_host_and_reads_as_the_file():
+    """On the host /proc/uptime is CLOCK_BOOTTIME in hundredths: the probe takes it from the
+    clock instead of reading the file each tick (procs7), and it is what the file says, to the
+    double, between two reads of it; a fixture tree's file is still read."""
+    from stallwatch.probes.processes_state import _Tick
+    from stallwatch.kernel import procfs
+
+    def file_s() -> float:
+        return procfs.parse_uptime_s(Path("/proc/uptime").read_text())
+
+    probe = ProcessesProbe(Target(pids=(os.getpid(),)))
+    before = file_s()
+    got = probe._uptime(_Tick(now=0.0))
+    after = file_s()
+    assert probe._boottime_ok and before <= got <= after
+    assert got == float(f"{got:.2f}")  # hundredths, as the file prints them
+
+
 def test_a_thread_files_bytes_unchanged_since_the_last_tick_are_not_parsed_again(monkeypatch):
     """A thread that wakes every few ms to sleep again is read afresh every tick (it ran), and
     renders the same stack each time: that stack is parsed once, not once a tick, and what is
