@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import ClassVar
 
@@ -544,15 +545,21 @@ def test_a_thread_that_ran_is_read_afresh_through_the_same_kept_descriptors(root
     assert seen.wchan != "" and seen.stack and seen.state == "S"
 
 
-def test_a_process_built_unvalidated_equals_its_validation(tmp_path):
-    """ProcessObs and ThreadObs are built without validation (processes_obs.built): on a real
-    process, with threads, open files (one written) and io, validating the same values gives an
-    equal object with the same JSON, field order and types included."""
+@contextmanager
+def _blocked_reader(tmp_path: Path):
+    """A process blocked in read on its stdin, with a file open for writing, and a probe on it."""
     job = [sys.executable, "-c", "import sys; sys.stdin.readline()"]
     with open(tmp_path / "out.bin", "wb") as out, \
             spawned(job, stdin=subprocess.PIPE, stdout=out) as proc:
         wait_until(lambda: task_state(proc.pid) == "S", what="the job to block in read")
-        probe = ProcessesProbe(Target(pids=(proc.pid,)), clock=FakeClock(monotonic=5))
+        yield proc, ProcessesProbe(Target(pids=(proc.pid,)), clock=FakeClock(monotonic=5))
+
+
+def test_a_process_built_unvalidated_equals_its_validation(tmp_path):
+    """ProcessObs and ThreadObs are built without validation (processes_obs.built): on a real
+    process, with threads, open files (one written) and io, validating the same values gives an
+    equal object with the same JSON, field order and types included."""
+    with _blocked_reader(tmp_path) as (_, probe):
         probe.collect()
         (obs,) = probe.collect().processes
     assert any(f.write for f in obs.open_files) and obs.io is not None and obs.threads
@@ -572,11 +579,7 @@ def test_processes_and_exits_built_unvalidated_equal_their_validation(tmp_path):
     same values validated give equal objects, with the same JSON, fields set and float types."""
     from stallwatch.probes.processes_obs import ExitObs, IoObs, OpenFileObs, ProcessesObs
 
-    job = [sys.executable, "-c", "import sys; sys.stdin.readline()"]
-    with open(tmp_path / "out.bin", "wb") as out, \
-            spawned(job, stdin=subprocess.PIPE, stdout=out) as proc:
-        wait_until(lambda: task_state(proc.pid) == "S", what="the job to block in read")
-        probe = ProcessesProbe(Target(pids=(proc.pid,)), clock=FakeClock(monotonic=5))
+    with _blocked_reader(tmp_path) as (proc, probe):
         alive = probe.collect()
         proc.kill()
         proc.wait()
@@ -612,11 +615,7 @@ def test_records_are_written_in_their_declared_order_so_built_keeps_the_dict(
 
     monkeypatch.setattr(processes_mod, "built", spy)
     monkeypatch.setattr(threads_mod, "built", spy)
-    job = [sys.executable, "-c", "import sys; sys.stdin.readline()"]
-    with open(tmp_path / "out.bin", "wb") as out, \
-            spawned(job, stdin=subprocess.PIPE, stdout=out) as proc:
-        wait_until(lambda: task_state(proc.pid) == "S", what="the job to block in read")
-        probe = ProcessesProbe(Target(pids=(proc.pid,)), clock=FakeClock(monotonic=5))
+    with _blocked_reader(tmp_path) as (proc, probe):
         probe.collect()
         proc.kill()
         proc.wait()
