@@ -115,6 +115,7 @@ class Nvml:
         # per tuple of versioned names: a one-element list holding the bound pynvml function a
         # reader calls, or None until resolved (shutdown() empties them all: see reader())
         self._bound: dict[tuple[str, ...], list[Any]] = {}
+        self.generation = 0  # moves whenever a reader's function is bound or unbound (direct())
         self._nvml_error: type | None = None  # the library's NVMLError, once loaded
         self.status: str | None = None  # None until the first init attempt
         self.error: str | None = None
@@ -129,8 +130,8 @@ class Nvml:
         """True while a failed init is not due for a retry and no init is running: init() then
         only returns the status it has, touching no driver (the gpu probe runs inline then)."""
         tried = self._tried_mono
-        return (self.status not in (None, OK) and tried is not None and not self._lock.locked()
-                and self._clock.monotonic() - tried < self._retry_after_s)
+        return (tried is not None and self.status not in (None, OK)
+                and self._clock.monotonic() - tried < self._retry_after_s and not self._lock.locked())
 
     def init(self) -> str:
         """Initialise once; returns the status. Safe from any thread, bounded wait."""
@@ -185,6 +186,7 @@ class Nvml:
             self._spelling.clear()  # a later init may meet another driver
             for cell in self._bound.values():
                 cell[0] = None
+            self.generation += 1
 
     # -- calls --------------------------------------------------------------------------------
 
@@ -266,19 +268,39 @@ class Nvml:
             try:
                 value = f(*args)
             except Exception as e:  # noqa: BLE001 - the choke point lets nothing out
-                reason = self.reason(e)
-                if reason in _MISSING:  # the remembered spelling went missing: the others, in order
-                    return self._read_slow(key, cell, args)
-                return Outcome(NA, reason)
+                return self._read_failed(key, cell, e, args)
             return value.decode("utf-8", "replace") if value.__class__ is bytes else value
 
+        read.key, read.cell = key, cell  # type: ignore[attr-defined]  # for direct() and failed()
         return read
+
+    def direct(self, rd: Callable[..., Any]) -> Callable[..., Any] | None:
+        """The pynvml function a reader calls once its spelling is resolved and the session is
+        up, to be called in a caller's own `try` (one Python frame less a read: the gpu probe
+        makes 14 a GPU a tick): what it raises goes to failed(rd, ...), what it returns is the
+        reader's value for a function that returns no bytes. None until resolved. Valid while
+        `generation` stands: it moves whenever a reader's function is bound or unbound."""
+        return rd.cell[0] if self.status == OK else None  # type: ignore[attr-defined]
+
+    def failed(self, rd: Callable[..., Any], e: Exception, args: tuple[Any, ...]) -> Any:
+        """What the reader `rd` returns when its function raised `e` on `args`."""
+        return self._read_failed(rd.key, rd.cell, e, args)  # type: ignore[attr-defined]
+
+    def _read_failed(self, key: tuple[str, ...], cell: list[Any], e: Exception,
+                     args: tuple[Any, ...]) -> Any:
+        reason = self.reason(e)
+        if reason in _MISSING:  # the remembered spelling went missing: the others, in order
+            return self._read_slow(key, cell, args)
+        return Outcome(NA, reason)
 
     def _read_slow(self, key: tuple[str, ...], cell: list[Any], args: tuple[Any, ...]) -> Any:
         out = self.call_first(key, *args)
         name = self._spelling.get(key)
         # Bound only while the session is up: shutdown() clears the cell again.
-        cell[0] = getattr(self._lib, name, None) if name is not None and self.status == OK else None
+        bound = getattr(self._lib, name, None) if name is not None and self.status == OK else None
+        if bound is not cell[0]:
+            cell[0] = bound
+            self.generation += 1
         return out.value if out.reason is None else out
 
     def query(self, fn: str | Callable[..., Any], *args: Any, default: Any = NA) -> Any:

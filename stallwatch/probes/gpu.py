@@ -18,7 +18,7 @@ import ctypes
 import math
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import Field
@@ -146,6 +146,7 @@ _PERMANENT = frozenset({"not_supported", "function_not_found", "missing_in_pynvm
 # Failures that mean the GPU itself is gone, when they come from a call every GPU answers.
 _CORE = frozenset({"handle", "utilization", "memory"})
 _MAX_DRAIN = 256  # events per tick; an event storm must not stall the tick
+_OK = ProbeStatus.ok
 
 
 def decode_clock_reasons(lib: Any, mask: int) -> list[str]:
@@ -270,6 +271,7 @@ class GpuProbe:
         self._last: GpuObs | None = None  # what collect() returned last
         self._readers: dict[str | tuple[str, ...], Any] = {}  # Nvml.reader per function names
         self._k: _Bound | None = None
+        self._direct: tuple[int, _Bound, _Bound] | None = None  # (Nvml.generation, k, direct k)
         # Some device has events registered (any; Xid): None until asked for this set of devices.
         self._events_on: bool | None = None
         self._xid_on: bool | None = None
@@ -282,11 +284,14 @@ class GpuProbe:
     def unchanged(self) -> bool:
         """collect() would return the very observation it returned last (no NVML, no retry due,
         no new event): the collector hands that on without running it at all (issue 17)."""
-        # One frame for what cannot_block() and _still() say: asked every tick (issue 17).
-        last, nv = self._last, self.nvml
-        return (last is not None and last.status is not ProbeStatus.ok and not self._lock.locked()
-                and nv.idle() and last.status == nv.status and last.error == nv.error
-                and last.xid_events_total == self._seq)
+        # One frame for what cannot_block() and _still() say: asked every tick (issue 17). An
+        # Enum member read off its class is a Python-level lookup: _OK is read once.
+        last = self._last
+        if last is None or last.status is _OK:
+            return False
+        nv = self.nvml
+        return (nv.idle() and not self._lock.locked() and last.status == nv.status
+                and last.error == nv.error and last.xid_events_total == self._seq)
 
     def _still(self, last: GpuObs | None, status: str | None) -> bool:
         """`last` is the answer for NVML's `status` now: a failed init, same reason, no event."""
@@ -501,58 +506,119 @@ class GpuProbe:
         """The reads of every tick, in a fixed order (the order of `errors`, which traces and
         `diagnose` JSON keep). Straight-line on purpose, one bound reader per NVML function
         (Nvml.reader) and the failure handling out of line (_failed): this runs 13 NVML calls
-        a GPU a tick, and the frames around them were half the probe's cost (issue 17)."""
-        h, unsup = dev.handle, dev.unsupported
+        a GPU a tick, and the frames around them were half the probe's cost (issue 17). Once
+        every reader is resolved, `d` holds their pynvml functions themselves (Nvml.direct),
+        called here in a `try` whose failure the reader maps (Nvml.failed): the same values
+        and outcomes, one Python frame less a read (issue 17, sixth pass)."""
+        h, unsup, d, nv = dev.handle, dev.unsupported, self._direct_reads(k), self.nvml
         if "utilization" in unsup:
             errors["utilization"] = unsup["utilization"]
-        elif (v := k.util(h)).__class__ is Outcome:
-            self._failed(dev, errors, "utilization", v)
-        else:  # past pynvml's Python __getattribute__ (it only decodes bytes): ints here
-            f["util_gpu_pct"], f["util_mem_pct"] = int(_oga(v, "gpu")), int(_oga(v, "memory"))
-        self._memory(dev, errors, f, k)
-        f["processes"] = self._processes(dev, i, errors, k)
+        else:
+            try:
+                v = d.util(h)
+            except Exception as e:  # noqa: BLE001 - a direct read: mapped as its reader maps it
+                v = nv.failed(k.util, e, (h,))
+            if v.__class__ is Outcome:
+                self._failed(dev, errors, "utilization", v)
+            else:  # past pynvml's Python __getattribute__ (it only decodes bytes): ints here
+                f["util_gpu_pct"], f["util_mem_pct"] = int(_oga(v, "gpu")), int(_oga(v, "memory"))
+        self._memory(dev, errors, f, k, d)
+        f["processes"] = self._processes(dev, i, errors, k, d)
         if "persistence_mode" in unsup:
             errors["persistence_mode"] = unsup["persistence_mode"]
-        elif (v := k.pm(h)).__class__ is Outcome:
-            self._failed(dev, errors, "persistence_mode", v)
         else:
-            f["persistence_mode"] = v == k.enabled
+            try:
+                v = d.pm(h)
+            except Exception as e:  # noqa: BLE001
+                v = nv.failed(k.pm, e, (h,))
+            if v.__class__ is Outcome:
+                self._failed(dev, errors, "persistence_mode", v)
+            else:
+                f["persistence_mode"] = v == k.enabled
         if "clock_event_reasons" in unsup:
             errors["clock_event_reasons"] = unsup["clock_event_reasons"]
-        elif (v := k.clocks(h)).__class__ is Outcome:
-            self._failed(dev, errors, "clock_event_reasons", v)
         else:
-            mask = int(v)
-            names = k.clock_names.get(mask)
-            if names is None:
-                names = k.clock_names[mask] = tuple(decode_clock_reasons(self.nvml.lib, mask))
-            f["clock_event_reasons"] = list(names)
+            try:
+                v = d.clocks(h)
+            except Exception as e:  # noqa: BLE001
+                v = nv.failed(k.clocks, e, (h,))
+            if v.__class__ is Outcome:
+                self._failed(dev, errors, "clock_event_reasons", v)
+            else:
+                mask = int(v)
+                names = k.clock_names.get(mask)
+                if names is None:
+                    names = k.clock_names[mask] = tuple(decode_clock_reasons(self.nvml.lib, mask))
+                f["clock_event_reasons"] = list(names)
         # One key per counter type: when one ECC read is unsupported, its sibling is too.
+        ecc_read = d.ecc_read
         for key, name, etype, counter in k.ecc:
             if key in unsup:
                 errors[key] = unsup[key]
-            elif (v := k.ecc_read(h, etype, counter)).__class__ is Outcome:
+                continue
+            try:
+                v = ecc_read(h, etype, counter)
+            except Exception as e:  # noqa: BLE001
+                v = nv.failed(k.ecc_read, e, (h, etype, counter))
+            if v.__class__ is Outcome:
                 self._failed(dev, errors, key, v)
             else:
                 f[name] = int(v)
         if "temperature" in unsup:
             errors["temperature"] = unsup["temperature"]
-        elif (v := k.temp(h, k.temp_gpu)).__class__ is Outcome:
-            self._failed(dev, errors, "temperature", v)
         else:
-            f["temperature_c"] = int(v)
+            try:
+                v = d.temp(h, k.temp_gpu)
+            except Exception as e:  # noqa: BLE001
+                v = nv.failed(k.temp, e, (h, k.temp_gpu))
+            if v.__class__ is Outcome:
+                self._failed(dev, errors, "temperature", v)
+            else:
+                f["temperature_c"] = int(v)
         if "power" in unsup:
             errors["power"] = unsup["power"]
-        elif (v := k.power(h)).__class__ is Outcome:
-            self._failed(dev, errors, "power", v)
-        else:  # mW: an int's quotient is already round(., 3) (checked for 0-3 kW), round is not free
-            f["power_w"] = v / 1000.0 if v.__class__ is int else round(v / 1000.0, 3)
+        else:
+            try:
+                v = d.power(h)
+            except Exception as e:  # noqa: BLE001
+                v = nv.failed(k.power, e, (h,))
+            if v.__class__ is Outcome:
+                self._failed(dev, errors, "power", v)
+            else:  # mW: an int's quotient is already round(., 3) (checked for 0-3 kW), round is not free
+                f["power_w"] = v / 1000.0 if v.__class__ is int else round(v / 1000.0, 3)
         if "pstate" in unsup:
             errors["pstate"] = unsup["pstate"]
-        elif (v := k.pstate(h)).__class__ is Outcome:
-            self._failed(dev, errors, "pstate", v)
-        elif 0 <= v <= 15:
-            f["pstate"] = int(v)
+        else:
+            try:
+                v = d.pstate(h)
+            except Exception as e:  # noqa: BLE001
+                v = nv.failed(k.pstate, e, (h,))
+            if v.__class__ is Outcome:
+                self._failed(dev, errors, "pstate", v)
+            elif 0 <= v <= 15:
+                f["pstate"] = int(v)
+
+    def _direct_reads(self, k: _Bound) -> _Bound:
+        """`k` with the fast path's readers replaced by their pynvml functions once every one
+        is resolved (Nvml.direct), else `k` itself (a reader never raises: the `try` around
+        it in _fast is then idle). Kept while Nvml.generation stands."""
+        nv = self.nvml
+        memo = self._direct
+        if memo is not None and memo[0] == nv.generation and memo[1] is k:
+            return memo[2]
+        (_, _, compute), (_, _, graphics) = k.procs
+        rds = (k.util, k.mem, compute, graphics, k.pm, k.clocks, k.ecc_read, k.temp, k.power,
+               k.pstate)
+        fns = [nv.direct(rd) for rd in rds]
+        d = k
+        if None not in fns:
+            util, mem, compute, graphics, pm, clocks, ecc_read, temp, power, pstate = fns
+            d = replace(k, util=util, mem=mem, pm=pm, clocks=clocks, ecc_read=ecc_read, temp=temp,
+                        power=power, pstate=pstate,
+                        procs=((k.procs[0][0], k.procs[0][1], compute),
+                               (k.procs[1][0], k.procs[1][1], graphics)))
+        self._direct = (nv.generation, k, d)
+        return d
 
     def _bind(self) -> _Bound:
         """The readers and constants of the fast path, once per probe (the library is loaded)."""
@@ -576,12 +642,16 @@ class GpuProbe:
             pstate=rd("nvmlDeviceGetPerformanceState"),
         )
 
-    def _memory(self, dev: _Device, errors: dict[str, str], f: dict[str, Any], k: _Bound) -> None:
+    def _memory(self, dev: _Device, errors: dict[str, str], f: dict[str, Any], k: _Bound,
+                d: _Bound) -> None:
         # v2 separates driver-reserved memory from `used`; fall back to v1 on older drivers.
         v2 = k.mem_v2
         mem = None
         if v2 is not None and "memory_v2" not in dev.unsupported:
-            out = k.mem(dev.handle, v2)
+            try:
+                out = d.mem(dev.handle, v2)
+            except Exception as e:  # noqa: BLE001 - a direct read (_fast): mapped as its reader maps it
+                out = self.nvml.failed(k.mem, e, (dev.handle, v2))
             if out.__class__ is not Outcome:
                 mem = out
             elif out.reason in LOST_REASONS:
@@ -599,16 +669,22 @@ class GpuProbe:
             except AttributeError:
                 pass
 
-    def _processes(self, dev: _Device, i: int, errors: dict[str, str], k: _Bound) -> list[GpuProcessObs] | None:
+    def _processes(self, dev: _Device, i: int, errors: dict[str, str], k: _Bound,
+                   d: _Bound) -> list[GpuProcessObs] | None:
         rows: list[tuple[str, Any, Any, Any, Any]] = []
         known = True
-        for kind, key, rd in k.procs:
+        for (kind, key, rd), (_, _, fn) in zip(k.procs, d.procs, strict=True):
             if key in dev.unsupported:
                 errors[key] = dev.unsupported[key]
                 lst = None
-            elif (lst := rd(dev.handle)).__class__ is Outcome:
-                self._failed(dev, errors, key, lst)
-                lst = None
+            else:
+                try:
+                    lst = fn(dev.handle)
+                except Exception as e:  # noqa: BLE001 - a direct read (_fast): mapped as its reader maps it
+                    lst = self.nvml.failed(rd, e, (dev.handle,))
+                if lst.__class__ is Outcome:
+                    self._failed(dev, errors, key, lst)
+                    lst = None
             if lst is None:
                 if errors.get(key) != "not_supported":
                     known = False  # unknown, not "no processes"
