@@ -475,3 +475,18 @@ def test_the_remembered_description_is_the_one_of_the_bar_read():
         lbar = p._LBAR.search(line[: line.index("| ", line.index("%|") + 2) + 2])
         assert ev is not None and ev.desc == (lbar["desc"] if lbar and lbar["desc"] else None)
     assert parse_tqdm(a).desc == "Generating Hidden States" and parse_tqdm(c).desc is None
+
+
+@pytest.mark.parametrize("line", [
+    SPECFORGE, "  0%|          | 0/100 [00:00<?, ?it/s]", "a/b 1/2 977/1000 [03:24<56:20, 1.0it/s]",
+    "x 12.5k/1M [00:01<00:02, 3it/s]", "1/2 [00:01, 3it/s]", "5/6 [00:03<00:04, 2it/s", "epoch 3/10 step 5/9",
+    "/tmp/x 5/6 [00:03<00:04, 2it/s, a=1]", "", "no slash", "1234it [00:05, 246.80it/s]",
+])
+def test_tqdm_done_reads_what_the_full_parse_reads(line):
+    """tqdm_done (no hint search) gives the full parse's done, total and postfix presence, or None
+    exactly where parse_tqdm reads no bar with a total."""
+    ev = parse_tqdm(line)
+    from stallwatch.probes.text.progress import tqdm_done
+
+    want = None if ev is None or ev.total is None else (ev.done, ev.total, bool(ev.postfix))
+    assert tqdm_done(line) == want

@@ -239,9 +239,11 @@ def tqdm_done(line: str) -> tuple[int | float, int | float, bool] | None:
     without the rest (rate, times, postfix, the event): for redraws whose other fields a later
     redraw replaces (probes/log.py). None where parse_tqdm would not read such a bar."""
     start = _total_from(line)
-    # the hint from there too: a match's `[elapsed<` comes after its `/`
-    if start < 0 or not _TQDM_HINT.search(line, start):
+    if start < 0:
         return None
+    # No _TQDM_HINT search first: a match holds `[elapsed<` after its `/`, so the hint would pass
+    # for every line this matches, and the lines given here are a bar's redraws (log.py), where
+    # it was a second scan for nothing.
     m = _TQDM_TOTAL.search(line, start)
     if m is None:
         return None
