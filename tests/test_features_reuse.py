@@ -121,3 +121,41 @@ def test_a_disk_path_going_stuck_with_the_same_words_is_seen() -> None:
     assert _check(seq) == []
     feat.forget()
     assert [feat.features(x)["disk"]["stuck"] for x in seq] == [False, True, False]
+
+
+def test_features_in_several_threads_at_once_read_as_built_afresh() -> None:
+    """features() runs in several threads at once where traces are replayed side by side
+    (tests/test_specforge_live.py evaluates each scenario's trace in its own thread): what one
+    thread kept must never be handed to another. The switch interval is made tiny so that the
+    threads interleave between a memo's check and its read (a list changed in place there
+    handed one thread another's job, disks or threshold)."""
+    import sys
+    import threading
+
+    traces = [_snaps(t) for t in TRACES]
+    want = [[_fresh(s) for s in snaps] for snaps in traces]
+    feat.forget()
+    got: list[list[str]] = [[] for _ in traces]
+    start = threading.Barrier(len(traces))
+
+    def replay(i: int) -> None:
+        start.wait()
+        try:
+            for _ in range(3):
+                got[i] = [repr(feat.features(s)) for s in traces[i]]
+        except Exception as e:  # noqa: BLE001 - a memo torn between threads may raise: reported
+            got[i] = [f"raised {e!r}"]
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=replay, args=(i,)) for i in range(len(traces))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    bad = [(TRACES[i].stem, next((j, g[:200]) for j, g in enumerate(got[i]) if j >= len(want[i]) or g != want[i][j]))
+           for i in range(len(traces)) if got[i] != want[i]]
+    assert bad == []

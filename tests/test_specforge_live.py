@@ -229,7 +229,8 @@ def test_a_nan_sample_is_skipped_and_the_run_finishes_only_when_every_rank_did(s
     # not stallwatch's child: `finished` comes from the log alone (every bar closed at its
     # total and one closing line per rank), and only once the job is gone
     last, v = sc["rows"][-1], sc["features"][-1]
-    assert v["job"]["exited"] and last["kind"] == "finished", last["summary"]
+    seen = {k: v["log"][k] for k in ("bars", "bar_count", "complete", "done", "total", "last_line")}
+    assert v["job"]["exited"] and last["kind"] == "finished", (last["summary"], seen, sc["log"][-3000:])
     assert v["log"]["bar_count"] == 3 and v["log"]["complete"]
     alive_complete = [f for f in sc["features"] if f["job"]["alive"] and f["log"]["complete"]]
     assert all(f["log"]["bars"] and all(b["complete"] for b in f["log"]["bars"])

@@ -78,14 +78,16 @@ def stall_threshold_s(snap: Snapshot) -> tuple[float, str]:
     # only), and formatting its floats was most of this function's cost: the last answer again.
     few = c.source == "observed" and c.samples < CADENCE_MIN_SAMPLES  # then tqdm's rate counts
     key = (*_CADENCE_READS(c), log.tqdm_rate_per_s if few else None)
-    if key == _THRESHOLD_MEMO[0]:
-        return _THRESHOLD_MEMO[1]
-    _THRESHOLD_MEMO[:] = [key, found := _threshold(c, log.tqdm_rate_per_s)]
+    global _THRESHOLD_MEMO
+    memo = _THRESHOLD_MEMO  # one read of an immutable pair: see _PROBES_MEMO
+    if key == memo[0]:
+        return memo[1]
+    _THRESHOLD_MEMO = (key, found := _threshold(c, log.tqdm_rate_per_s))
     return found
 
 
 _CADENCE_READS = attrgetter("p90_s", "max_s", "samples", "source", "outliers", "last_outlier_s")
-_THRESHOLD_MEMO: list[Any] = [None, None]  # (what _threshold read, its answer)
+_THRESHOLD_MEMO: tuple[Any, Any] = (None, None)  # (what _threshold read, its answer)
 
 
 def _threshold(c: Cadence, tqdm_rate: float | None) -> tuple[float, str]:
@@ -210,21 +212,25 @@ def _probes(reports: tuple[ProbeReport, ...]) -> tuple[dict[str, str], list[str]
     """Each probe's status, and the errors of those that failed; the last tick's objects again
     while the names and statuses read the same and none failed (then no error is said)."""
     names, values = tuple(map(_NAME, reports)), tuple(map(_STATUS, reports))  # in C
+    global _PROBES_MEMO
     last = _PROBES_MEMO
     if values == last[1] and names == last[0] and _QUIET.issuperset(values):
         return last[2], last[3]
     status = dict(zip(names, values, strict=True))
     errors = [f"{r.name}: {status[r.name]}: {r.error}" for r in reports
               if status[r.name] not in _QUIET and r.error]
-    _PROBES_MEMO[:] = [names, values, status, errors]
+    _PROBES_MEMO = (names, values, status, errors)
     return status, errors
 
 
 _NAME = attrgetter("name")
 _STATUS = attrgetter("status._value_")  # an Enum's .value is a Python property; _value_ is not
 _QUIET = frozenset(("ok", "absent"))  # statuses that say no error
-# (names, statuses, the status dict, the errors): read-only for callers.
-_PROBES_MEMO: list[Any] = [None, None, None, None]
+# (names, statuses, the status dict, the errors): read-only for callers. Every memo of the
+# features is an immutable tuple, read once and replaced whole: features() may run in several
+# threads at once (a replay per thread, tests/test_specforge_live.py), and a memo changed in
+# place between its check and its read handed one thread another's answer.
+_PROBES_MEMO: tuple[Any, ...] = (None, None, None, None)
 
 
 def _server_client(snap: Snapshot, procs: list[ProcessObs]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -304,12 +310,13 @@ def forget() -> None:
     from stallwatch.engine import features_gpu, features_io, features_job
 
     _LAST.clear()
-    _PROBES_MEMO[:] = [None, None, None, None]
-    _THRESHOLD_MEMO[:] = [None, None]
+    global _PROBES_MEMO, _THRESHOLD_MEMO
+    _PROBES_MEMO = (None, None, None, None)
+    _THRESHOLD_MEMO = (None, None)
     _NO_SERVER.clear()
-    features_io._DISK_MEMO[:] = [None, None]
-    features_job._PROC_MEMO[:] = [None, "", None, None]
-    features_job._JOB_MEMO[:] = [None, None]
+    features_io._DISK_MEMO = (None, None)
+    features_job._PROC_MEMO = (None, "", None, None)
+    features_job._JOB_MEMO = (None, None)
     features_job._STACK_MEMO = (None, "")
     features_gpu._NO_GPU_MEMO = (None, {})
     features_gpu._DEVICES_MEMO = ((), None, None, {})

@@ -69,8 +69,9 @@ def _gpu(snap: Snapshot, job_pids: set[int], mine: set[int] | None) -> dict[str,
     global _NO_GPU_MEMO, _DEVICES_MEMO
     g = snap.gpu
     bare = g is not None and not g.devices and not g.xid_events
-    if bare and _NO_GPU_MEMO[0] is g:
-        return _NO_GPU_MEMO[1]
+    memo = _NO_GPU_MEMO  # one read (features.py, _PROBES_MEMO)
+    if bare and memo[0] is g:
+        return memo[1]
     now = g.devices if g is not None else []
     steady = g is not None and bool(now) and not g.xid_events and g.status == "ok"
     if steady:

@@ -162,7 +162,8 @@ def _disk(snap: Snapshot, d_file: str = "") -> dict[str, Any]:
     # compares in C, and a tick only weighs the numbers (issue 17, sixth pass).
     key: list[Any] = list(map(_PATH_READS, all_paths))  # in C: one tuple a path
     key.append(snap.target.outputs)
-    st = _DISK_MEMO[1] if _DISK_MEMO[0] == key else _disk_static(all_paths, key, snap)
+    memo = _DISK_MEMO  # one read of an immutable pair (features.py, _PROBES_MEMO)
+    st = memo[1] if memo[0] == key else _disk_static(all_paths, key, snap)
     tight = tight_inodes = None
     tight_i = -1  # tight's position among the `path` entries
     known = False
@@ -229,7 +230,7 @@ class _DiskStatic(NamedTuple):
 
 
 # (key, _DiskStatic): the last paths' static parts. Read-only for callers, like _LAST in features.
-_DISK_MEMO: list[Any] = [None, None]
+_DISK_MEMO: tuple[Any, Any] = (None, None)
 
 
 def _disk_static(all_paths: tuple[PathUsage, ...], key: list[Any], snap: Snapshot) -> _DiskStatic:
@@ -255,7 +256,8 @@ def _disk_static(all_paths: tuple[PathUsage, ...], key: list[Any], snap: Snapsho
                      "detail": p.detail or ""} for p, m, n in zip(paths, mounts, devnames, strict=True)],
         # the tightest path's answer weighs free bytes, which move: asked again each tick
         place=None if place["io_why"] == _TIGHTEST else place)
-    _DISK_MEMO[:] = [key, st]
+    global _DISK_MEMO
+    _DISK_MEMO = (key, st)
     return st
 
 

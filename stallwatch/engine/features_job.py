@@ -85,13 +85,15 @@ def _job_all(snap: Snapshot, procs: list[ProcessObs], logv: dict[str, Any]) -> d
     # what _job reads of each process, and its rank and launcher flag (in C: one tuple each)
     key = (snap.target.name, EXIT_GRACE_S, po.exited, po.missing, po.reused,
            list(map(_JOB_READS, procs))) if po else (snap.target.name, EXIT_GRACE_S)
-    if key == _JOB_MEMO[0]:  # only a job without ranks or a launcher is kept: see below
-        return _JOB_MEMO[1]
+    global _JOB_MEMO
+    memo = _JOB_MEMO  # one read of an immutable pair (features.py, _PROBES_MEMO)
+    if key == memo[0]:  # only a job without ranks or a launcher is kept: see below
+        return memo[1]
     plain = all([p.rank is None and not p.launcher for p in procs])
     job = _job(snap, procs)
     job.update(_job_ranks(procs, logv, f"{job['comm']} (pid {job['pid']})"))
     if plain:
-        _JOB_MEMO[:] = [key, job]
+        _JOB_MEMO = (key, job)
     return job
 
 
@@ -99,7 +101,7 @@ _JOB_READS = attrgetter("pid", "role", "state", "comm", "cmdline", "exit_code", 
 
 
 # (what _job_all read, the dict it made). Read-only for callers.
-_JOB_MEMO: list[Any] = [None, None]
+_JOB_MEMO: tuple[Any, Any] = (None, None)
 
 
 def _last_name(exits: list, missing: list[int]) -> str:
@@ -133,9 +135,10 @@ def _thread_dict(p: ProcessObs, t: ThreadObs) -> dict[str, Any]:
 def _stack_text(stack: tuple[str, ...] | None) -> str:
     # The processes probe hands on a sleeping thread's stack as the same tuple: joined once.
     global _STACK_MEMO
-    if stack is not _STACK_MEMO[0]:
-        _STACK_MEMO = (stack, " ← ".join((stack or ())[:6]))
-    return _STACK_MEMO[1]
+    memo = _STACK_MEMO  # one read (features.py, _PROBES_MEMO)
+    if stack is not memo[0]:
+        memo = _STACK_MEMO = (stack, " ← ".join((stack or ())[:6]))
+    return memo[1]
 
 
 _STACK_MEMO: tuple[Any, str] = (None, "")
@@ -197,7 +200,8 @@ def _proc(procs: list[ProcessObs]) -> dict[str, Any]:
         quiet = [_quiet(p.ctx_unchanged_for_s, p.last_ran_age_s) for p in live]
     # The states and the process list stay as they were on most ticks: the same objects are
     # handed on then (rules compare them by identity first; issue 17, sixth pass).
-    last = _PROC_MEMO
+    global _PROC_MEMO
+    last = _PROC_MEMO  # one read of an immutable tuple (features.py, _PROBES_MEMO)
     counted = tuple(states.items())  # in order: == of dicts is blind to it, the text is not
     if counted == last[3]:
         states, text = last[0], last[1]
@@ -205,7 +209,7 @@ def _proc(procs: list[ProcessObs]) -> dict[str, Any]:
         text = ", ".join(f"{n} {s}" for s, n in sorted(counted, key=lambda kv: -kv[1]))
     if plist == last[2]:  # every value of a fixed type: == is sameness here
         plist = last[2]
-    _PROC_MEMO[:] = [states, text, plist, counted]
+    _PROC_MEMO = (states, text, plist, counted)
     out = {
         "count": len(procs),
         "threads": sum(states.values()),
@@ -254,7 +258,7 @@ def _d_threads(d: list[tuple[ProcessObs, ThreadObs]]) -> dict[str, Any]:
 
 # The last tick's states, their text, the process list and the states' items (_proc).
 # Read-only for callers.
-_PROC_MEMO: list[Any] = [None, "", None, None]
+_PROC_MEMO: tuple[Any, ...] = (None, "", None, None)
 
 
 # A thread runnable in every sample of at least this long a stretch, never switching out by

@@ -21,13 +21,14 @@ where they call. The per-thread hot path of the processes probe keeps its own de
 from __future__ import annotations
 
 import os
+import time
 
 from stallwatch.kernel import procfs
 from stallwatch.kernel.procfiles import ProcPaths
 from stallwatch.kernel.roots import DEFAULT_ROOTS, Absent, Denied, Roots, _mapped
 
 __all__ = ["Proc", "pids", "btime", "boot_id", "net_tcp", "diskstats", "kernel_stat",
-           "self_mountinfo", "mountinfo_path", "self_fd_path", "DEAD_STATES"]
+           "self_mountinfo", "mountinfo_path", "self_fd_path", "boottime_is_uptime", "DEAD_STATES"]
 
 # A task in these states has exited: Z (zombie, waiting to be reaped), X (dead).
 DEAD_STATES = ("Z", "X")
@@ -173,3 +174,17 @@ def self_fd_path(fd: int) -> str:
     """The path that names our own open descriptor `fd` (re-opening or linking a file by fd:
     the walk that opened it followed no link, and this path follows none either)."""
     return f"/proc/self/fd/{int(fd)}"
+
+
+def boottime_is_uptime() -> bool:
+    """Whether this system's /proc/uptime reads as CLOCK_BOOTTIME does (Linux; an emulated
+    /proc, gVisor's, may keep its own): read between two clock readings, it must lie between
+    them, to its hundredth. Once per probe."""
+    try:
+        before = int(time.clock_gettime(time.CLOCK_BOOTTIME) * 100) / 100
+        with open("/proc/uptime", "rb") as f:
+            up = procfs.parse_uptime_s(f.read().decode())
+        after = int(time.clock_gettime(time.CLOCK_BOOTTIME) * 100) / 100
+    except (OSError, ValueError, AttributeError):  # AttributeError: no CLOCK_BOOTTIME here
+        return False
+    return before <= up <= after

@@ -13,6 +13,7 @@ from enum import Enum
 from typing import Any
 
 from stallwatch.kernel import procfs
+from stallwatch.kernel.proc import boottime_is_uptime
 from stallwatch.kernel.procfiles import ProcFiles, ProcPaths
 from stallwatch.kernel.roots import Absent, Denied, Roots
 from stallwatch.kernel.schedclock import SchedClock
@@ -371,10 +372,10 @@ class ThreadReader:
         """/proc/uptime, once a tick; -1 when unreadable. On the host it is CLOCK_BOOTTIME in
         hundredths (fs/proc/uptime.c: ktime_get_boottime_ts64, a time namespace's offset added,
         as clock_gettime adds it), so it is taken from the clock: the same value, to the
-        double, without a read and parse a tick (procs7); see _boottime_is_uptime."""
+        double, without a read and parse a tick (procs7); see kernel/proc.py boottime_is_uptime."""
         if tick.uptime_s is None:
             if self._boottime_ok is None:
-                self._boottime_ok = self._paths.is_host() and _boottime_is_uptime()
+                self._boottime_ok = self._paths.is_host() and boottime_is_uptime()
             if self._boottime_ok:
                 tick.uptime_s = int(time.clock_gettime(time.CLOCK_BOOTTIME) * 100) / 100
                 return tick.uptime_s
@@ -382,20 +383,6 @@ class ThreadReader:
                                    tick.denied)
             tick.uptime_s = up if up is not None else -1.0
         return tick.uptime_s
-
-
-def _boottime_is_uptime() -> bool:
-    """Whether this system's /proc/uptime reads as CLOCK_BOOTTIME does (Linux; an emulated
-    /proc, gVisor's, may keep its own): read between two clock readings, it must lie between
-    them, to its hundredth. Once per probe."""
-    try:
-        before = int(time.clock_gettime(time.CLOCK_BOOTTIME) * 100) / 100
-        with open("/proc/uptime", "rb") as f:
-            up = procfs.parse_uptime_s(f.read().decode())
-        after = int(time.clock_gettime(time.CLOCK_BOOTTIME) * 100) / 100
-    except (OSError, ValueError, AttributeError):  # AttributeError: no CLOCK_BOOTTIME here
-        return False
-    return before <= up <= after
 
 
 # Read (kept open: ProcFiles.read_task_file) only when a thread ran: closed with its memo.

@@ -217,8 +217,9 @@ def _desc(before: str) -> str | None:
     """The description in the l_bar (`desc:  49%|████▉     | `). A bar's l_bar changes with its
     percentage only, so the last one's answer is kept: _LBAR's lazy scan is ~10 k instructions."""
     global _last_desc
-    if before == _last_desc[0]:
-        return _last_desc[1]
+    last = _last_desc  # one read: the log probes of several jobs may parse at once (lanes)
+    if before == last[0]:
+        return last[1]
     lbar = _LBAR.search(before)
     desc = lbar["desc"] if lbar and lbar["desc"] else None
     _last_desc = (before, desc)
