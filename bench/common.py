@@ -254,6 +254,10 @@ class CpuMeter:
     def seconds(self) -> float | None:
         raise NotImplementedError
 
+    def user_sys(self) -> tuple[float, float] | None:
+        """CPU seconds in user space and in the kernel, where the meter can tell them apart."""
+        return None
+
     def close(self) -> None:
         pass
 
@@ -287,13 +291,27 @@ class ProcTreeCpu(CpuMeter):
         return total if any_ else None
 
 
+def _v1_split(p: Path) -> tuple[float, float]:
+    """cpuacct.stat: user and system time in USER_HZ ticks (10 ms: read over a window of minutes)."""
+    kv = dict(line.split() for line in (p / "cpuacct.stat").read_text().splitlines())
+    hz = os.sysconf("SC_CLK_TCK")
+    return int(kv["user"]) / hz, int(kv["system"]) / hz
+
+
+def _v2_split(p: Path) -> tuple[float, float]:
+    kv = dict(line.split() for line in (p / "cpu.stat").read_text().splitlines())
+    return int(kv["user_usec"]) / 1e6, int(kv["system_usec"]) / 1e6
+
+
 class CgroupCpu(CpuMeter):
     """A cgroup of its own (v1 cpuacct or v2), nanosecond CPU of everything moved into it."""
 
     how = "cgroup"
 
-    def __init__(self, path: Path, usage: Callable[[Path], float], procs: Path, root_procs: Path):
+    def __init__(self, path: Path, usage: Callable[[Path], float], procs: Path, root_procs: Path,
+                 split: Callable[[Path], tuple[float, float]] | None = None):
         self.path, self._usage, self._procs, self._root_procs = path, usage, procs, root_procs
+        self._split = split
 
     @classmethod
     def create(cls, name: str) -> CgroupCpu | None:
@@ -307,7 +325,7 @@ class CgroupCpu(CpuMeter):
                 d = v1 / tag
                 d.mkdir()
                 return cls(d, lambda p: int((p / "cpuacct.usage").read_text()) / 1e9,
-                           d / "cgroup.procs", v1 / "cgroup.procs")
+                           d / "cgroup.procs", v1 / "cgroup.procs", _v1_split)
             if (v2 / "cgroup.controllers").exists():
                 d = v2 / tag
                 d.mkdir()
@@ -317,7 +335,7 @@ class CgroupCpu(CpuMeter):
                         if line.startswith("usage_usec"):
                             return int(line.split()[1]) / 1e6
                     raise OSError("no usage_usec")
-                return cls(d, usage, d / "cgroup.procs", v2 / "cgroup.procs")
+                return cls(d, usage, d / "cgroup.procs", v2 / "cgroup.procs", _v2_split)
         except OSError:
             return None
         return None
@@ -332,6 +350,12 @@ class CgroupCpu(CpuMeter):
         try:
             return self._usage(self.path)
         except (OSError, ValueError):
+            return None
+
+    def user_sys(self) -> tuple[float, float] | None:
+        try:
+            return self._split(self.path) if self._split else None
+        except (OSError, ValueError, KeyError):
             return None
 
     def close(self) -> None:

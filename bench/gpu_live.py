@@ -92,5 +92,5 @@ def run(*, calls: int, overhead_params: dict[str, Any] | None, peers_venv: Path 
             baseline_src=baseline_src,
             job_argv=[sys.executable, str(ROOT / "bench" / "jobs" / "gpu_job.py"), "--out", "{out}",
                       "--log", "{log}", "--step-s", "0.2"],
-            floor_args=("--nvml",))
+            floor_args=("--nvml",), standard_beside=True)
     return out

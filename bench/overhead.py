@@ -138,9 +138,12 @@ def _versions(py: Path) -> dict[str, str]:
 def run(*, warmup_s: float, window_s: float, subwindows: int, interval: float = 1.0,
         peers_venv: Path | None = None, install_peers: bool = False,
         baseline_src: Path | None = None, job_argv: list[str] | None = None,
-        floor_args: tuple[str, ...] = (), wide: tuple[int, int] | None = (8, 128)) -> dict[str, Any]:
+        floor_args: tuple[str, ...] = (), wide: tuple[int, int] | None = (8, 128),
+        standard_beside: bool = False) -> dict[str, Any]:
     """job_argv: the watched job (`{out}` and `{log}` are filled in), default extract_like.py;
-    floor_args: more arguments for bench/floor.py (`--nvml` on a GPU host)."""
+    floor_args: more arguments for bench/floor.py (`--nvml` on a GPU host); standard_beside: with
+    a job_argv, also the standard job (extract_like.py) under its own daemons and its own floor
+    (rows `*_standard`, `floor_standard`), so a GPU host measures the issue's standard job too."""
     out: dict[str, Any] = {"interval_s": interval, "warmup_s": warmup_s, "window_s": window_s,
                            "subwindows": subwindows, "reads": READS, "floor_is": FLOOR_IS}
     py_peers, why = (ensure_peers(peers_venv, install_peers) if peers_venv else (None, "disabled"))
@@ -166,6 +169,18 @@ def run(*, warmup_s: float, window_s: float, subwindows: int, interval: float = 
             if baseline_src is not None:
                 daemons["stallwatch_baseline"] = baseline_src
             watches = {name: "job" for name in daemons}
+            std_log, std_out = wd / "std.log", wd / "std-out"
+            if standard_beside and job_argv:
+                side_jobs["standard"] = j = subprocess.Popen(
+                    [*argv, str(ROOT / "tests" / "jobs" / "extract_like.py"), "--out", str(std_out),
+                     "--log", str(std_log), "--n", "100000000", "--sample-s", "0.2"],
+                    start_new_session=True, stdin=subprocess.DEVNULL, env=env,
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                wait_for(lambda: std_out.exists() and std_log.exists(), 30, "the standard job to start")
+                (wd / "standard.pid").write_text(f"{j.pid}\n")
+                for name, src in list(daemons.items()):
+                    daemons[f"{name}_standard"] = src
+                    watches[f"{name}_standard"] = "standard"
             if wide is not None:
                 for kind, (ranks, threads) in (("wide", wide), ("narrow", (1, 1))):
                     side_jobs[kind] = j = subprocess.Popen(
@@ -189,10 +204,13 @@ def run(*, warmup_s: float, window_s: float, subwindows: int, interval: float = 
                 # CPU in children of the daemon's cgroup, and the bundle's writer thread) landed
                 # in the window as 1.8 ms a tick of "threads started or ended" that no tick
                 # costs. Their daemons measure watching, so they make no bundle.
-                if watches[name] != "job":
+                if watches[name] not in ("job", "standard"):
                     rules += "\nevidence = false"
                 job_toml = (f'pid_file = "{wd / "job.pid"}"\nlog = "{log}"\noutputs = "{outdir}"'
-                            if watches[name] == "job" else f'pid_file = "{wd / (watches[name] + ".pid")}"')
+                            if watches[name] == "job" else
+                            f'pid_file = "{wd / "standard.pid"}"\nlog = "{std_log}"\noutputs = "{std_out}"'
+                            if watches[name] == "standard" else
+                            f'pid_file = "{wd / (watches[name] + ".pid")}"')
                 cfg.write_text(f"""
 [daemon]
 interval_s = {interval}
@@ -208,6 +226,11 @@ name = "{'extract' if watches[name] == 'job' else watches[name]}"
                 [sys.executable, str(ROOT / "bench" / "floor.py"), "--pid", str(job.pid), "--log", str(log),
                  "--outputs", str(outdir), "--interval", str(interval), *floor_args],
                 start_new_session=True, stdin=subprocess.DEVNULL)
+            if "standard" in side_jobs:
+                procs["floor_standard"] = subprocess.Popen(
+                    [sys.executable, str(ROOT / "bench" / "floor.py"), "--pid", str(side_jobs["standard"].pid),
+                     "--log", str(std_log), "--outputs", str(std_out), "--interval", str(interval),
+                     *floor_args], start_new_session=True, stdin=subprocess.DEVNULL)
             peer_info: dict[str, Any] = {}
             if py_peers is not None:
                 bindir = py_peers.parent
@@ -252,7 +275,8 @@ name = "{'extract' if watches[name] == 'job' else watches[name]}"
             def mark() -> None:
                 m: dict[str, Any] = {"t": time.monotonic(), "load": loadavg()}
                 for name, meter in meters.items():
-                    m[name] = {"cpu": meter.seconds(), **memory(procs[name].pid),
+                    m[name] = {"cpu": meter.seconds(), "user_sys": meter.user_sys(),
+                               **memory(procs[name].pid),
                                "threads": threads_of(procs[name].pid)}
                 for name in daemons:
                     meta = db_meta(wd / f"state-{name}")
@@ -302,6 +326,12 @@ name = "{'extract' if watches[name] == 'job' else watches[name]}"
                              "cpu_ms_per_tick": (rnd((b[name]["cpu"] - a[name]["cpu"]) / ticks * 1e3, 3)
                                                  if ticks else None),
                              "pct_of_core": rnd((b[name]["cpu"] - a[name]["cpu"]) / dt * 100, 3)}
+                    if ticks and a[name]["user_sys"] and b[name]["user_sys"]:
+                        # the cgroup's split (cpuacct.stat counts in 10 ms ticks: a window of
+                        # minutes keeps it within a few per cent)
+                        (ua, sa), (ub, sb) = a[name]["user_sys"], b[name]["user_sys"]
+                        total["user_ms_per_tick"] = rnd((ub - ua) / ticks * 1e3, 3)
+                        total["sys_ms_per_tick"] = rnd((sb - sa) / ticks * 1e3, 3)
                 rows[name] = {
                     "cpu_ms_per_tick": summary(per_tick, 1e3, 3),
                     "pct_of_core": summary(pct, 1.0, 3),
@@ -322,8 +352,9 @@ name = "{'extract' if watches[name] == 'job' else watches[name]}"
                     rows[name].update(exited=p.returncode, total=None)
                     print(f"bench overhead: {name} exited with {p.returncode} during the window; "
                           f"its row is void", file=sys.stderr)
-            floor = rows.get("floor", {}).get("total") or {}
-            for r in rows.values():
+            for rname, r in rows.items():
+                floor_name = "floor_standard" if rname.endswith("_standard") else "floor"
+                floor = rows.get(floor_name, {}).get("total") or {}
                 t = r.get("total") or {}
                 if floor.get("cpu_ms_per_tick") and t.get("cpu_ms_per_tick") is not None:
                     r["x_floor"] = rnd(t["cpu_ms_per_tick"] / floor["cpu_ms_per_tick"], 2)

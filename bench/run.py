@@ -215,6 +215,14 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             t.get("pct_of_core") is not None and t["pct_of_core"] <= 0.5, "a real GPU job")
         x = gov["stallwatch"].get("x_floor")
         add("GPU host: overhead vs the raw floor (with NVML)", "<= 2x", x, x is not None and x <= 2.0, "")
+    if gov.get("stallwatch_standard"):
+        t = gov["stallwatch_standard"].get("total") or {}
+        add("GPU host: the standard job, % of one core", "<= 0.35", t.get("pct_of_core"),
+            t.get("pct_of_core") is not None and t["pct_of_core"] <= 0.35,
+            "extract_like.py beside the GPU job, NVML read")
+        x = gov["stallwatch_standard"].get("x_floor")
+        add("GPU host: the standard job vs its floor (with NVML)", "<= 2x", x,
+            x is not None and x <= 2.0, "")
     return out
 
 
@@ -225,9 +233,12 @@ def overhead_tables(ov: dict[str, Any], title: str) -> list[str]:
             f"{title} at a {ov['interval_s']:g} s interval, side by side "
             f"({ov['window_s']:g} s window, {ov['subwindows']} sub-windows; CPU meter: "
             f"{sorted(set(ov.get('cpu_meter', {}).values()))})",
-            ["who", "CPU ms/tick (total)", "median of windows", "% core", "x floor", "RSS MiB", "PSS MiB",
-             "threads", "tick wall p50/p99 ms"],
-            [[n, (r.get("total") or {}).get("cpu_ms_per_tick"), r["cpu_ms_per_tick"].get("median"),
+            ["who", "CPU ms/tick (total)", "user/sys ms", "median of windows", "% core", "x floor",
+             "RSS MiB", "PSS MiB", "threads", "tick wall p50/p99 ms"],
+            [[n, (r.get("total") or {}).get("cpu_ms_per_tick"),
+              f"{_f((r.get('total') or {}).get('user_ms_per_tick'))}/"
+              f"{_f((r.get('total') or {}).get('sys_ms_per_tick'))}",
+              r["cpu_ms_per_tick"].get("median"),
               (r.get("total") or {}).get("pct_of_core"), r.get("x_floor"), r["rss_mib"], r["pss_mib"],
               r["threads"], f"{_f((r.get('tick_wall_ms') or {}).get('median'))}/"
                             f"{_f((r.get('tick_wall_ms') or {}).get('p99'))}" if r.get("tick_wall_ms") else "-"]
