@@ -27,6 +27,9 @@ IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x40, 0x80, 0x100, 0x200
 IN_DELETE_SELF, IN_MOVE_SELF = 0x400, 0x800
 IN_Q_OVERFLOW, IN_IGNORED, IN_ISDIR = 0x4000, 0x8000, 0x40000000
 IN_ONLYDIR, IN_DONT_FOLLOW = 0x01000000, 0x02000000
+# Events that are not about a name in a watched directory: each checked for in turn only when
+# one of these bits is set (a queue of file events tests this one mask an event)
+_RARE = IN_Q_OVERFLOW | IN_IGNORED | IN_DELETE_SELF | IN_MOVE_SELF
 # Not IN_MODIFY: one event per write(2), and a file being written is re-stat'ed every tick while
 # it is hot anyway (from its creation to its close). IN_OPEN: a file closed after writing is
 # left alone until it is opened again (the outputs probe), one event per open.
@@ -134,33 +137,43 @@ class InotifyWatch:
     def _parse(self, buf: bytes, out: list[str]) -> None:
         off, n, size, unpack = 0, len(buf), _EVENT.size, _EVENT.unpack_from
         wds, prefixes, closes = self._wd, self._prefix, self.closes
+        # (wd, the name's bytes as the kernel padded them) -> its path: a written file's
+        # IN_CREATE, IN_OPEN and IN_CLOSE_WRITE come in one read, its name decoded once (issue 17)
+        paths: dict[tuple[int, bytes], str] = {}
         while off + size <= n:
             wd, mask, _cookie, ln = unpack(buf, off)
             start = off + size
             off = start + ln
-            if mask & IN_Q_OVERFLOW:
-                self.lost = True
-                continue
-            base = wds.get(wd)
-            if mask & IN_IGNORED:
-                wds.pop(wd, None)
-                prefixes.pop(wd, None)
-                if base == self.root:
-                    self.root_gone = True
-                continue
-            if base is None:
-                continue
-            if mask & (IN_DELETE_SELF | IN_MOVE_SELF):
+            if mask & _RARE or wd not in prefixes:
+                if mask & IN_Q_OVERFLOW:
+                    self.lost = True
+                    continue
+                base = wds.get(wd)
+                if mask & IN_IGNORED:
+                    wds.pop(wd, None)
+                    prefixes.pop(wd, None)
+                    if base == self.root:
+                        self.root_gone = True
+                    continue
+                if base is None:
+                    continue
+                # IN_DELETE_SELF, IN_MOVE_SELF
                 if base == self.root:
                     self.root_gone = True
                 out.append(base)
                 continue
-            raw = buf[start:off].rstrip(b"\0")
+            key = (wd, buf[start:off])
+            path = paths.get(key)
+            if path is None:
+                raw = key[1].rstrip(b"\0")
+                # "": the event is about the watched directory itself
+                path = paths[key] = prefixes[wd] + raw.decode(_FS_ENCODING, _FS_ERRORS) if raw else ""
             if mask & IN_OPEN:
-                if raw and not mask & IN_ISDIR:
-                    closes.append((prefixes[wd] + raw.decode(_FS_ENCODING, _FS_ERRORS), False))
+                if path and not mask & IN_ISDIR:
+                    closes.append((path, False))
                 continue
-            path = prefixes[wd] + raw.decode(_FS_ENCODING, _FS_ERRORS) if raw else base
+            if not path:
+                path = wds[wd]
             out.append(path)
             if mask & IN_CLOSE_WRITE and not mask & IN_ISDIR:
                 closes.append((path, True))
