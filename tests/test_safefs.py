@@ -119,3 +119,51 @@ def test_no_descriptor_is_left_open(tmp_path: Path) -> None:
         os.close(fd)
         safefs.read_bounded(tmp_path / "d" / "f", 10)
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def _outcome(fn, path: str) -> tuple[str, object]:
+    """What opening `path` gave: the directory's (dev, ino), or the error's type and text."""
+    try:
+        fd = fn(path)
+    except OSError as e:
+        return type(e).__name__, str(e)
+    try:
+        st = os.fstat(fd)
+        return "ok", (st.st_dev, st.st_ino)
+    finally:
+        os.close(fd)
+
+
+def test_open_dir_split_answers_as_open_dir_whatever_the_path_became(tmp_path: Path) -> None:
+    """The log follower's per-tick open (split once, issue 17): a plain path opened without the
+    walk's parsing, anything else walked by open_dir's own code, so each answer is the same."""
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "file").write_text("x")
+    os.symlink(tmp_path / "a", tmp_path / "link")
+    if os.geteuid() == 0:
+        os.chown(tmp_path, 65534, 65534)  # the user's directory: its links are not followed
+    root_dir = tmp_path / "admin"
+    if os.geteuid() == 0:
+        root_dir.mkdir(mode=0o755)
+        os.chown(tmp_path / "a", 0, 0)
+        os.symlink(tmp_path / "a", root_dir / "data")  # a link only root could make: followed
+    cases = [tmp_path / "a" / "b", tmp_path / "a", tmp_path / "missing" / "b", tmp_path / "file" / "b",
+             tmp_path / "link" / "b", tmp_path / "link", root_dir / "data" / "b", Path("/")]
+    seen: list[str] = []
+    for p in map(str, cases):
+        parts = safefs.split_dir(p)
+        want = _outcome(safefs.open_dir, p)
+        assert _outcome(lambda q, parts=parts: safefs.open_dir_split(q, parts), p) == want, p
+        seen.append(want[0])
+    assert seen == ["ok", "ok", "FileNotFoundError", "NotADirectoryError", "UnsafePath", "UnsafePath",
+                    "ok" if os.geteuid() == 0 else "FileNotFoundError", "ok"], seen
+    # a component that becomes a link after the split is refused, as open_dir refuses it
+    p = str(tmp_path / "a" / "b")
+    parts = safefs.split_dir(p)
+    os.rename(tmp_path / "a", tmp_path / "a2")
+    os.symlink(tmp_path / "a2", tmp_path / "a")
+    got = _outcome(lambda q: safefs.open_dir_split(q, parts), p)
+    assert got == _outcome(safefs.open_dir, p) and got[0] == "UnsafePath", got
+    assert safefs.split_dir("rel/path") is None
+    with pytest.raises(safefs.UnsafePath, match="not an absolute path"):
+        safefs.open_dir_split("rel/path", None)

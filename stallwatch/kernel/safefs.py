@@ -26,8 +26,8 @@ import os
 import stat
 from collections.abc import Iterator
 
-__all__ = ["UnsafePath", "open_dir", "open_file", "open_in", "subdir", "open_rel", "read_bounded",
-           "fd_dir", "readable_by"]
+__all__ = ["UnsafePath", "open_dir", "split_dir", "open_dir_split", "open_file", "open_in", "subdir",
+           "open_rel", "read_bounded", "fd_dir", "readable_by"]
 
 # O_PATH: walking needs search (x) permission only, as the kernel's own walk does; a job user's
 # run through an exec-only directory (0711) must not fail here. fd_dir reopens for listing.
@@ -110,6 +110,40 @@ def _walk(path: str, *, create: bool, mode: int) -> int:
 def open_dir(path: str | os.PathLike[str], *, create: bool = False, mode: int = 0o700) -> int:
     """An O_DIRECTORY fd for `path` (see the module doc); the caller closes it."""
     return _walk(os.fspath(path), create=create, mode=mode)
+
+
+def split_dir(path: str) -> tuple[str, ...] | None:
+    """The components _walk resolves `path` by, for open_dir_split; None for a relative path."""
+    if not os.path.isabs(path):
+        return None
+    return tuple(c for c in path.split("/") if c not in ("", "."))
+
+
+def open_dir_split(path: str, parts: tuple[str, ...] | None) -> int:
+    """open_dir(path), `parts` being split_dir(path), split once by a caller that opens the same
+    directory every tick (the log's, probes/logfollow.py: the walk's parsing and its stack were
+    half of the follower's fixed cost, issue 17). While every component is a plain directory
+    this is the walk's own openat and close for each, nothing more; at the first that is not
+    (a link, missing, not a directory, refused) the path is walked again by _walk from "/",
+    so every answer and every error is open_dir's."""
+    if parts is None:
+        return _walk(path, create=False, mode=0o700)
+    fd = os.open("/", _DIR)
+    try:
+        for name in parts:
+            try:
+                nfd = os.open(name, _DIR, dir_fd=fd)
+            except OSError:
+                break
+            os.close(fd)
+            fd = nfd
+        else:
+            return fd
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return _walk(path, create=False, mode=0o700)
 
 
 def subdir(dir_fd: int, name: str, *, create: bool = False, mode: int = 0o700) -> int:

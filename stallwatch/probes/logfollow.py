@@ -50,6 +50,7 @@ class LogFollower:
         self.path = os.fspath(path)
         # Split once: the daemon never changes its working directory, and this is every tick.
         self._parent, self._name = os.path.split(os.path.abspath(self.path))
+        self._parent_parts = safefs.split_dir(self._parent)
         # (uid, gids) of the job's user: a log it could not read itself is refused, so that
         # nothing it cannot read reaches alerts and evidence through its log (security.md #5).
         self.reader = reader
@@ -78,7 +79,7 @@ class LogFollower:
             # The log is on the job user's side (docs/security.md): its directories resolved
             # without following a link the user could have made, the file itself never a link.
             # O_NONBLOCK: opening a FIFO put in place of the log must not wait for a writer.
-            dfd = safefs.open_dir(self._parent)
+            dfd = safefs.open_dir_split(self._parent, self._parent_parts)
             try:
                 fd = os.open(self._name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW,
                              dir_fd=dfd)
