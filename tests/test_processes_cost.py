@@ -716,3 +716,77 @@ def test_a_thread_that_ran_off_cpu_reads_its_switches_from_sched_not_status():
     assert (after.voluntary_ctxt_switches, after.nonvoluntary_ctxt_switches) == (
         st.voluntary_ctxt_switches, st.nonvoluntary_ctxt_switches)
     assert after.voluntary_ctxt_switches > before.voluntary_ctxt_switches
+
+
+FORKER = r"""
+import subprocess, sys, threading, time
+def worker():
+    for line in sys.stdin:
+        if line.startswith("fork"):
+            subprocess.Popen(["sleep", "1000"])
+        end = time.monotonic() + 0.05
+        while time.monotonic() < end:
+            pass
+        print("done", flush=True)
+t = threading.Thread(target=worker, daemon=True)
+t.start()
+print(t.native_id, flush=True)
+time.sleep(1000)
+"""
+
+
+def test_a_thread_that_ran_keeps_its_children_list_while_no_task_was_made():
+    """The pid namespace's last allocated pid (/proc/loadavg) read the same by consecutive tree
+    walks: a thread that ran (and made no child) is not asked for its children again; once a
+    task is made the value moves, the lists of the threads that ran are read again, and the
+    new child is in the tree on that collect (procs8). The value is pinned here (the host
+    makes tasks all the time), then moved as a fork moves it."""
+    if not has_schedstat():
+        pytest.skip("this kernel has no /proc/PID/task/TID/schedstat (CONFIG_SCHED_INFO)")
+    with spawned([sys.executable, "-c", FORKER], stdin=subprocess.PIPE,
+                 stdout=subprocess.PIPE) as proc:
+        tid = int(proc.stdout.readline())
+        probe = ProcessesProbe(Target(pids=(proc.pid,)), clock=FakeClock())
+        assert probe._forks() is None or probe._forks().isdigit()  # the host's, when it says
+        stamp = [b"100"]
+        probe._forks = lambda: stamp[0]  # type: ignore[method-assign]
+        asked: list[str] = []
+        read = probe._kept.read_task_file
+
+        def counting(path, *args, **kwargs):
+            if path.endswith("/children"):
+                asked.append(path)
+            return read(path, *args, **kwargs)
+
+        probe._kept.read_task_file = counting  # type: ignore[method-assign]
+
+        def step(line: bytes):
+            proc.stdin.write(line)
+            proc.stdin.flush()
+            assert proc.stdout.readline() == b"done\n"
+            wait_until(lambda: task_state(proc.pid, tid) == "S", what="the worker to sleep")
+            return probe.collect()
+
+        for _ in range(3):  # the first look scans /proc; then the walk, then the same stamp
+            step(b"run\n")
+        asked.clear()
+        obs = step(b"run\n")
+        assert asked == [] and len(obs.processes) == 1  # it ran: the value alone kept its list
+        stamp[0] = b"101"  # a task was made: as the kernel's value moves with a fork
+        obs = step(b"fork\n")
+        assert f"/proc/{proc.pid}/task/{tid}/children" in asked
+        (child,) = [p for p in obs.processes if p.pid != proc.pid]
+        assert child.ppid == proc.pid and child.comm == "sleep"
+        os.kill(child.pid, signal.SIGKILL)
+
+
+def test_the_pid_namespaces_last_pid_moves_with_a_fork():
+    """What _forks reads is the allocator's: a fork of ours moves it (here, where /proc is our
+    pid namespace's); a fixture tree says nothing."""
+    probe = ProcessesProbe(Target(pids=(os.getpid(),)))
+    before = probe._forks()
+    if before is None:
+        pytest.skip("/proc is not this pid namespace's")
+    subprocess.run(["true"], check=True)
+    after = probe._forks()
+    assert after is not None and int(after) != int(before)
