@@ -1,4 +1,4 @@
-from stallwatch.commands.cli import main
+from stallwatch.commands.entry import main
 
 if __name__ == "__main__":
     main()

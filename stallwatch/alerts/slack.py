@@ -12,8 +12,9 @@ and its logger carries the redacting filter: at DEBUG it would print the webhook
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stallwatch import __version__
 from stallwatch.alerts.events import AlertEvent
@@ -23,6 +24,9 @@ from .base import (REPEAT_ICON, RESOLVED_ICON, SEVERITY_ICONS, TEST_ICON, Perman
                    network_error, strongest_evidence, title)
 from .config import SlackConfig
 from .redact import get_logger, redact
+
+if TYPE_CHECKING:
+    from slack_sdk.webhook import WebhookClient
 
 RESOLVED_COLOR = "#2EB67D"  # Slack's green
 HEADER_MAX = 150
@@ -165,11 +169,17 @@ class SlackSink(Sink):
 
     def __init__(self, config: SlackConfig) -> None:
         super().__init__(config)
+        self._url = config.resolve_url()  # a missing secret is a broken sink from start-up
+
+    @functools.cached_property
+    def _client(self) -> WebhookClient:
+        """Built at the first delivery, not with the sink: slack_sdk brings urllib.request,
+        http.client and ssl (4.5 MiB of RSS) into a daemon that may never alert (issue 17)."""
         from slack_sdk.webhook import WebhookClient
 
-        self._url = config.resolve_url()
-        self._client = WebhookClient(self._url.get_secret_value(), timeout=config.timeout_s,  # type: ignore[arg-type]  # seconds; slack_sdk says int, urllib takes a float
-                                     logger=_SDK_LOG, retry_handlers=[])
+        # timeout: seconds; slack_sdk says int, urllib takes a float
+        return WebhookClient(self._url.get_secret_value(), timeout=self.config.timeout_s,
+                             logger=_SDK_LOG, retry_handlers=[])
 
     def describe(self) -> str:
         return "Slack incoming webhook " + redact(self._url.get_secret_value())

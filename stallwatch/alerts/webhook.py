@@ -8,8 +8,6 @@ a timeout; proxies from the environment as urllib does.
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from urllib.parse import urlsplit
 
 from stallwatch import __version__
@@ -34,6 +32,11 @@ def safe_origin(url: str) -> str:
 
 def post_json(url: str, body: bytes, headers: dict[str, str], timeout_s: float, what: str) -> tuple[int, str]:
     """POST; (status, body) for 2xx, DeliveryError otherwise. Never lets the URL into a message."""
+    # Imported at the first delivery, not with the sink: urllib.request brings http.client and
+    # ssl (1.2 MiB of RSS) into a daemon that may never alert (issue 17's RSS bound).
+    import urllib.error
+    import urllib.request
+
     h = {"Content-Type": "application/json", "User-Agent": f"stallwatch/{__version__}", **headers}
     req = urllib.request.Request(url, data=body, headers=h, method="POST")
     try:

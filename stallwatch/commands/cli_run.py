@@ -91,13 +91,9 @@ def run(
     if log_level is not None:
         cfg = cfg.model_copy(update={"daemon": cfg.daemon.model_copy(
             update={"log_level": log_level.lower()})})
-    if cfg.daemon.exit_with_jobs:
-        from stallwatch.commands.runcmd import run_foreground
+    from stallwatch.commands.entry import serve
 
-        return run_foreground(cfg, tee=tee, start_in_dry_run=cfg.daemon.dry_run)
-    from stallwatch.daemon.core import run_daemon
-
-    return run_daemon(cfg)
+    return serve(cfg, tee=tee)
 
 
 def _oneliner_toml(command: list[str], *, name, log, outputs, server, progress_regex, restart,

@@ -20,7 +20,6 @@ the one call stays in flight (overdue) until the server answers or `info_abandon
 
 from __future__ import annotations
 
-import http.client
 import json
 import math
 import threading
@@ -28,14 +27,16 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from prometheus_client.parser import text_string_to_metric_families
 from pydantic import Field
 
 from stallwatch.clock import SYSTEM_CLOCK, Clock
 from stallwatch.model import Frozen
+
+if TYPE_CHECKING:
+    import http.client
 
 # Counters whose movement means the server did work for its clients. Only the tokenizer-side
 # three exist on every 0.5.x version and leave health checks out (/health_generate sends
@@ -307,6 +308,10 @@ class ServerProbe:
 
     def _get(self, path: str, timeout_s: float) -> _Answer:
         """GET with a connect/read timeout, a wall deadline for the body, and a size cap."""
+        # Imported here, not at the top: http.client brings ssl and email (6.6 MiB of RSS) into
+        # every daemon, and most jobs have no server (issue 17's RSS bound).
+        import http.client
+
         cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
         conn = cls(self.host, self.port, timeout=timeout_s)
         deadline = time.monotonic() + timeout_s
@@ -460,6 +465,11 @@ def parse_metrics(text: str) -> tuple[dict[str, float], dict[str, float], int]:
     """
     counter_groups: dict[str, dict[tuple, float]] = defaultdict(dict)
     gauge_groups: dict[str, dict[tuple, float]] = defaultdict(dict)
+    # Imported here, not at the top: prometheus_client's package brings its HTTP exposition
+    # (http.server, urllib.request, wsgiref: +12 MiB of RSS with http.client) into every daemon,
+    # and most jobs have no server (issue 17's RSS bound).
+    from prometheus_client.parser import text_string_to_metric_families
+
     families = 0
     for fam in text_string_to_metric_families(text):
         families += 1
