@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from stallwatch.commands import cli, entry
+from stallwatch.kernel import nvml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,12 +33,13 @@ NOT_IMPORTED = {
     "slack_sdk": "alerts/slack.py's client, built with the sink",
 }
 
-# The daemon in a subprocess, through the console script's entry point, for three ticks; then
-# the names in sys.modules. One Slack and one webhook sink configured (never sent to: nothing
-# fires in three ticks), so building sinks is on the path too.
+# The daemon in a subprocess, through the console script's entry point, for three ticks and
+# until it has tried NVML; then the names in sys.modules. One Slack and one webhook sink are
+# configured (never sent to: nothing fires that soon), so building sinks is on the path too.
 SCRIPT = textwrap.dedent("""
     import json, os, sys
     from stallwatch.daemon import core
+    from stallwatch.kernel import nvml
 
     ticks = [0]
     tick = core.Daemon.tick
@@ -45,8 +47,9 @@ SCRIPT = textwrap.dedent("""
     def counted(self):
         tick(self)
         ticks[0] += 1
-        if ticks[0] == 3:
-            print(json.dumps(sorted(sys.modules)), flush=True)
+        # After the gpu probe's first NVML init (its own thread): pynvml's import is there.
+        if ticks[0] >= 3 and nvml.default_nvml().status is not None or ticks[0] == 150:
+            print(json.dumps([nvml.default_nvml().status, sorted(sys.modules)]), flush=True)
             os._exit(0)
 
     core.Daemon.tick = counted
@@ -86,9 +89,14 @@ def test_the_daemons_run_path_imports_none_of_the_lazy_modules(tmp_path: Path) -
         job.kill()
         job.wait()
     assert out.returncode == 0, out.stderr
-    modules = set(json.loads(out.stdout.splitlines()[-1]))
+    status, names = json.loads(out.stdout.splitlines()[-1])
+    assert status is not None, "the gpu probe never tried NVML"
+    modules = set(names)
     assert "stallwatch.probes.server" in modules  # the run path did run (the collector's probes)
-    found = {m: why for m, why in NOT_IMPORTED.items()
+    not_imported = dict(NOT_IMPORTED)
+    if not nvml._library_loads():  # a host without NVML's library: no pynvml either
+        not_imported["pynvml"] = "kernel/nvml.py's init, before it knew the library is there"
+    found = {m: why for m, why in not_imported.items()
              if m in modules or any(n.startswith(m + ".") for n in modules)}
     assert not found, f"imported by the running daemon: {found}"
 
@@ -124,3 +132,29 @@ def test_run_config_says_what_the_cli_says(tmp_path: Path, capsys: pytest.Captur
 ])
 def test_every_other_command_line_goes_to_the_cli(argv: list[str]) -> None:
     assert entry.daemon_config(argv) is None
+
+
+NO_LIBRARY = textwrap.dedent("""
+    import ctypes, sys
+    import pynvml
+    from stallwatch.kernel import nvml
+
+    def missing(name, *a, **k):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    pynvml.CDLL = missing  # as on a host without the driver (pynvml: `from ctypes import *`)
+    nvml.NVML_LIBRARY = "libstallwatch-no-such-nvml.so.1"
+    real = nvml.Nvml(lib=pynvml)
+    short = nvml.Nvml()
+    print(repr((real.init(), real.error)))
+    print(repr((short.init(), short.error)))
+""")
+
+
+def test_without_nvmls_library_the_init_says_what_pynvml_says() -> None:
+    """No pynvml import where its library does not load, and the same status and error."""
+    out = subprocess.run([sys.executable, "-c", NO_LIBRARY], capture_output=True, text=True,
+                         timeout=60, check=True)
+    real, short = out.stdout.splitlines()
+    assert real == short
+    assert "no_library" in short and "NVML Shared Library Not Found" in short

@@ -12,7 +12,10 @@ library that raises pynvml's own exception classes.
 
 from __future__ import annotations
 
+import ctypes
+import importlib.util
 import logging
+import sys
 import threading
 from typing import Any, NamedTuple
 from collections.abc import Callable, Sequence
@@ -20,6 +23,10 @@ from collections.abc import Callable, Sequence
 from stallwatch.clock import Clock, SYSTEM_CLOCK
 
 _log = logging.getLogger(__name__)
+
+# The library pynvml loads on Linux (its _LoadNvmlLibrary), and what its nvmlInit says without it.
+NVML_LIBRARY = "libnvidia-ml.so.1"
+_NO_LIBRARY_ERROR = "nvmlInit: NVMLError_LibraryNotFound: NVML Shared Library Not Found"
 
 
 class _NA:
@@ -155,6 +162,11 @@ class Nvml:
 
     def _init_locked(self) -> str:
         if self._lib is None:
+            if importlib.util.find_spec("pynvml") is not None and not _library_loads():
+                # pynvml is imported only where its library loads: on a host without the driver
+                # it would be 1.5-4 MiB of the daemon's RSS for nothing (issue 17's bound). The
+                # status and the error are what pynvml's nvmlInit answers there.
+                return self._set(NO_LIBRARY, _NO_LIBRARY_ERROR)
             try:
                 import pynvml  # importing is itself part of "is NVML here?"
             except ImportError as e:
@@ -322,6 +334,18 @@ def describe(e: BaseException) -> str:
     except Exception:  # noqa: BLE001 - pynvml's __str__ itself calls into the library
         msg = repr(e)
     return f"{type(e).__name__}: {msg}"
+
+
+def _library_loads() -> bool:
+    """Whether NVML's library loads here, as pynvml would load it (elsewhere than Linux: ask
+    pynvml). Tried at each init attempt, so a driver installed later is seen."""
+    if not sys.platform.startswith("linux"):
+        return True
+    try:
+        ctypes.CDLL(NVML_LIBRARY)
+    except OSError:
+        return False
+    return True
 
 
 _default: Nvml | None = None
