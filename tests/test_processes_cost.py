@@ -790,3 +790,62 @@ def test_the_pid_namespaces_last_pid_moves_with_a_fork():
     subprocess.run(["true"], check=True)
     after = probe._forks()
     assert after is not None and int(after) != int(before)
+
+
+IO_JOB = r"""
+import os, sys, threading, time
+def worker():
+    for line in sys.stdin:
+        with open(os.devnull, "wb") as f:
+            f.write(b"x" * 4096)
+        print("done", flush=True)
+t = threading.Thread(target=worker, daemon=True)
+t.start()
+print(t.native_id, flush=True)
+time.sleep(1000)
+"""
+
+
+def test_a_process_whose_threads_sleep_keeps_its_io_reading_and_one_that_ran_is_read():
+    """/proc/PID/io is its threads' own counters, each moved by the thread itself: while none
+    ran (every schedstat the same) the last reading stands, read again only on its turn (one
+    tick in 8); once a thread does I/O, the next collect reads it afresh and sees it (procs8)."""
+    if not has_schedstat():
+        pytest.skip("this kernel has no /proc/PID/task/TID/schedstat (CONFIG_SCHED_INFO)")
+    clock = FakeClock()
+    with spawned([sys.executable, "-c", IO_JOB], stdin=subprocess.PIPE,
+                 stdout=subprocess.PIPE) as proc:
+        tid = int(proc.stdout.readline())
+        wait_until(lambda: all(task_state(proc.pid, int(t)) == "S"
+                               for t in os.listdir(f"/proc/{proc.pid}/task")),
+                   what="every thread to sleep")
+        probe = ProcessesProbe(Target(pids=(proc.pid,)), clock=clock)
+        io_path = f"/proc/{proc.pid}/io"
+        reads: list[str] = []
+        read = probe._kept.read
+
+        def counting(path, *args, **kwargs):
+            reads.append(path)
+            return read(path, *args, **kwargs)
+
+        probe._kept.read = counting  # type: ignore[method-assign]
+
+        def collect() -> ProcessObs:
+            clock.advance(1.0)
+            (p,) = probe.collect().processes
+            return p
+
+        first = [collect() for _ in range(3)][-1]  # the first look, then the walk's batch
+        reads.clear()
+        idle = [collect() for _ in range(threads_mod.STAT_EVERY_TICKS)]
+        assert reads.count(io_path) == 1  # its turn only
+        assert all(p.io == first.io for p in idle) and idle[-1].io_unchanged_for_s >= 8.0
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == b"done\n"
+        wait_until(lambda: task_state(proc.pid, tid) == "S", what="the worker to sleep")
+        reads.clear()
+        after = collect()
+    assert io_path in reads
+    assert after.io is not None and first.io is not None
+    assert after.io.wchar >= first.io.wchar + 4096 and after.io_unchanged_for_s == 0.0
