@@ -30,7 +30,8 @@ from stallwatch.vocab import SEVERITY_RANK
 from .expr import (ExprError, ExprEvalError, Vars, compile_expr, format_value, normalise,
                    renormalise)
 from .expr import Expr
-from .inputs import Paths, conjuncts, merge, paths, pick, unchanged
+from .inputs import (Paths, Token, conjuncts, exact, merge, paths, pick, tokens,
+                     unchanged)
 from .rulefile import Rule, RuleSet
 from .textbatch import Plain, compile_batch, fill_batch, plain_paths, render_batch
 
@@ -234,6 +235,11 @@ class _Reads:
     # of `plain` are read from the variables (textbatch.plain_paths); `every` without them
     ctx: Paths = field(default_factory=dict)
     plain: Plain = field(default_factory=dict)
+    # `cond`'s and `every`'s tokens, and each conjunct prefix's by its trie's id (inputs.dirty)
+    cond_t: frozenset[Token] = frozenset()
+    every_t: frozenset[Token] = frozenset()
+    conj_t: dict[int, frozenset[Token]] = field(default_factory=dict)
+    exact: bool = False  # inputs.exact(cond): a moved condition slice need not be compared
 
 
 def _reads(rule: Rule) -> _Reads:
@@ -251,7 +257,8 @@ def _reads(rule: Rule) -> _Reads:
         conj.append((c, upto))
     every = merge(cond, text)
     ctx = merge(cond, paths([e for e in exprs if e not in plain])) if plain else every
-    return _Reads(cond, text, every, tuple(conj), ctx, plain)
+    return _Reads(cond, text, every, tuple(conj), ctx, plain, tokens(cond), tokens(every),
+                  {id(upto): tokens(upto) for _, upto in conj}, exact(cond))
 
 
 _Key = tuple[str, tuple[tuple[str, str], ...]]
@@ -399,15 +406,17 @@ class Evaluator:
         transitions: list[Transition] = []
         odd: list[type] = []
         same: dict[str, Any] | None = None
+        moved: set[Token] | None = None  # what renormalise says moved, where `same` is not None
         if isinstance(data, Vars):
             plain: Any = data
         elif type(data) is dict:
             prev = self._plain
-            plain, same = renormalise(data, prev, odd, raw=self._raw)
+            moved = set()
+            plain, same = renormalise(data, prev, odd, raw=self._raw, moved=moved)
             self._plain = None if odd else plain
             self._raw = data  # what `plain` was made of (renormalise reads it with `_plain` alone)
             if prev is None:
-                same = None  # nothing to compare with: every rule's slice is compared
+                same = moved = None  # nothing to compare with: every rule's slice is compared
         else:
             plain = normalise(data, odd)
             self._plain = None  # the next dict is compared with nothing, not an older tick
@@ -421,7 +430,7 @@ class Evaluator:
                 for rule in self.rules:
                     self._evaluate_rule(rule, whole, now, errors, transitions)
         else:
-            self._evaluate_changed(plain, same, now, errors, transitions)
+            self._evaluate_changed(plain, same, moved, now, errors, transitions)
         self._restore = {}  # Prometheus restores once, at the first evaluation
         self._ready = None
         self._note_health(errors)
@@ -501,8 +510,9 @@ class Evaluator:
             errors.append(EvalError(rule="*", where="variables", error=str(exc)[:500]))
             return None
 
-    def _evaluate_changed(self, data: dict[str, Any], same: dict[str, Any] | None, now: float,
-                          errors: list[EvalError], transitions: list[Transition]) -> None:
+    def _evaluate_changed(self, data: dict[str, Any], same: dict[str, Any] | None,
+                          moved: set[Token] | None, now: float, errors: list[EvalError],
+                          transitions: list[Transition]) -> None:
         """Each rule evaluated again only if what it reads changed since its last evaluation
         (inputs.py); the others give what they gave then, and every instance's timers advance
         (`_advance`) as on any tick: `for` and `keep_firing_for` are timed here, not in CEL.
@@ -510,7 +520,8 @@ class Evaluator:
         A memo's `active` is always what its condition gives for its `cond_in`, and it held at
         the last tick (a rule whose slice moved is evaluated again, or kept false by its first
         false conjunct), so a rule that reads only what `same` says did not change since then
-        keeps its memo without slicing anything; an active memo's `text_in` is the last tick's."""
+        keeps its memo without slicing anything; an active memo's `text_in` is the last tick's.
+        What `same` says is read as one set, `moved` (renormalise's), against each rule's tokens."""
         plan: list[tuple[Rule, _Memo | None, dict[str, Any]]] = []
         fresh: list[str] = []
         # Rules false at their last evaluation: the context holds what their conditions read,
@@ -520,12 +531,12 @@ class Evaluator:
         for rule in self.rules:
             reads, memo = self._reads[rule.name], self._memo.get(rule.name)
             was_false = memo is not None and not memo.active
-            if memo is not None and same is not None and unchanged(
-                    reads.every if memo.active else reads.cond, same):
+            if memo is not None and moved is not None and (
+                    reads.every_t if memo.active else reads.cond_t).isdisjoint(moved):
                 plan.append((rule, memo, memo.cond_in))
                 continue
-            if (was_false and memo is not None and memo.prefix is not None and same is not None
-                    and unchanged(memo.prefix[0], same)):
+            if (was_false and memo is not None and memo.prefix is not None and moved is not None
+                    and self._still(reads, memo.prefix[0], moved)):
                 # False still, for the conjuncts that made it false, which read nothing that
                 # moved: no slice taken. Its memo's `cond_in` may then be older than the last
                 # tick's; that only makes a later comparison miss, never match wrongly (a
@@ -533,7 +544,13 @@ class Evaluator:
                 plan.append((rule, memo, memo.cond_in))
                 continue
             cond_in = pick(data, reads.cond)
-            if memo is not None and memo.cond_in != cond_in:
+            if (memo is not None and moved is not None and reads.exact
+                    and not reads.cond_t.isdisjoint(moved)):
+                # What its condition reads moved, as renormalise compared it, no deeper than it
+                # reads; so did its first false conjunct's (had it not, it would be kept above:
+                # the prefix reads part of what the condition reads)
+                memo = None
+            elif memo is not None and memo.cond_in != cond_in:
                 if memo.prefix is not None and pick(data, memo.prefix[0]) == memo.prefix[1]:
                     memo.cond_in = cond_in  # false still: its first false conjunct says so
                 else:
@@ -578,6 +595,12 @@ class Evaluator:
                 self._memo[rule.name] = _Memo(
                     cond_in, active, labels, pick(data, reads.text) if active else None,
                     texts[-1] if texts else None, None if active else prefix)
+
+    @staticmethod
+    def _still(reads: _Reads, prefix: Paths, moved: set[Token]) -> bool:
+        """Whether nothing a conjunct prefix of the rule (`_Memo.prefix`) reads moved."""
+        toks = reads.conj_t.get(id(prefix))
+        return (toks if toks is not None else tokens(prefix)).isdisjoint(moved)
 
     def _env(self, data: dict[str, Any], same: dict[str, Any] | None, union: Paths,
              errors: list[EvalError]) -> Vars | None:

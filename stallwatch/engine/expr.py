@@ -284,8 +284,8 @@ _MISSING = object()
 
 
 def renormalise(value: dict[str, Any], prev: dict[str, Any] | None, odd: list,
-                depth: int = 2, raw: dict[str, Any] | None = None
-                ) -> tuple[dict[str, Any], dict[str, Any]]:
+                depth: int = 2, raw: dict[str, Any] | None = None, moved: set | None = None,
+                _at: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """`normalise(value, odd)` of a dict, reusing the subtrees of `prev` (the last call's result)
     that equal `value`'s, `depth` levels down; and the tree of what did not change: key -> None
     (the whole value equals the last one) or key -> the same tree one level down (a dict some of
@@ -302,11 +302,16 @@ def renormalise(value: dict[str, Any], prev: dict[str, Any] | None, odd: list,
     `raw` is the last call's `value` (with its `prev`): a dict or list of `value` that is the very
     object it held is taken as unchanged without comparing it. So nothing may change such a
     value in place between calls: features() hands on the parts that did not change that way
-    (the job's, the server's, a process list; issue 17, sixth pass), and builds the rest anew."""
+    (the job's, the server's, a process list; issue 17, sixth pass), and builds the rest anew.
+
+    `moved` (a set) is given what moved, as inputs.tokens names it, two levels down: a key
+    absent from `same`'s tree, or that went, is there (k, and (k, None) unless it is a dict
+    compared key by key; (k, k2) one level down). What moved deeper is its (k, k2) moving."""
     out: dict[str, Any] = {}
     same: dict[str, Any] = {}
     last: dict[str, Any] = prev if prev is not None else {}
     was: dict[str, Any] = raw if raw is not None and prev is not None else {}
+    new = 0  # keys not in `last`: with len(last), whether any of it went
     for k, v in value.items():
         p = last.get(k, _MISSING)
         tv = type(v)
@@ -320,6 +325,7 @@ def renormalise(value: dict[str, Any], prev: dict[str, Any] | None, odd: list,
             elif not k.isascii():
                 k = safe_text(k)
                 p = last.get(k, _MISSING)
+            new += p is _MISSING
         if tv is float or tv is bool or v is None or (
                 tv is str and ((type(p) is str and p == v) or v.isascii())):
             # a plain leaf, most of what a tick brings: compared as below, in one step (a
@@ -329,6 +335,8 @@ def renormalise(value: dict[str, Any], prev: dict[str, Any] | None, odd: list,
                 same[k] = None
             else:
                 out[k] = v
+                if moved is not None:
+                    _move(moved, k, _at)
             continue
         if tv is int:
             n = float(v)
@@ -338,15 +346,33 @@ def renormalise(value: dict[str, Any], prev: dict[str, Any] | None, odd: list,
             continue
         elif tv is dict and depth > 1 and type(p) is dict:
             below = was.get(k)
+            if moved is not None and _at is not None:  # (three levels down: moved whole)
+                _move(moved, k, _at)
             out[k], same[k] = renormalise(v, p, odd, depth - 1,
-                                          below if type(below) is dict else None)
+                                          below if type(below) is dict else None,
+                                          moved if _at is None else None, k)
+            if moved is not None and _at is None:
+                moved.add(k)  # (what moved below it is there as (k, k2))
             continue
         else:
             n = normalise(v, odd)
         if type(p) is type(n) and p == n:  # strictly at this level: True is not 1.0 here
             n, same[k] = p, None
+        elif moved is not None:
+            _move(moved, k, _at)
         out[k] = n
+    if moved is not None and len(out) - new < len(last):
+        for k in last.keys() - out.keys():  # went
+            _move(moved, k, _at)
     return out, same
+
+
+def _move(moved: set, key: str, at: str | None) -> None:
+    if at is None:
+        moved.add(key)
+        moved.add((key, None))
+    else:
+        moved.add((at, key))
 
 
 class Vars:
