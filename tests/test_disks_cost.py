@@ -160,3 +160,47 @@ def test_an_idle_device_row_is_what_device_io_computes(tmp_path: Path) -> None:
         assert ("sda" in probe._idle) == (tick >= 1)  # idle from its second read on
         assert "sdc" not in probe._idle  # two I/Os in flight: never the idle path
         clock.advance(1 + tick)
+
+
+def test_a_paths_kept_fields_follow_its_resolution_existence_mount_and_device(tmp_path: Path,
+                                                                              monkeypatch) -> None:
+    """The fields of a path's record that follow from its resolution, existence, mount and device
+    alone are kept from tick to tick (DisksProbe._answered): a change of any is in the next one."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    link = tmp_path / "link"
+    os.symlink(tmp_path / "a", link)
+    clock = FakeClock(monotonic=5)
+    probe = DisksProbe([link, tmp_path / "later"], clock=clock, dev_shm=None)
+    try:
+        o1 = probe.collect()
+        assert o1.paths[0].resolved_path == str(tmp_path / "a") and o1.paths[0].exists is True
+        assert o1.paths[1].exists is False and o1.paths[1].resolved_path == str(tmp_path)
+        (tmp_path / "later").mkdir()
+        os.unlink(link)
+        os.symlink(tmp_path / "b", link)
+        clock.advance(disks_mod.RESOLVE_TTL_S + 1)  # the realpath is reused that long (_inspect)
+        o2 = probe.collect()
+        assert o2.paths[0].resolved_path == str(tmp_path / "b")
+        assert o2.paths[1].exists is True and o2.paths[1].resolved_path == str(tmp_path / "later")
+        mount = o2.paths[0].mount
+        assert mount is not None and all(u.mount is mount for u in o2.paths)
+        # another mount (read-only, a bind of /x) and no device: the very objects, each tick
+        other = mount.model_copy(update={"mount_point": "/", "root": "/x", "mount_options": "ro"})
+        monkeypatch.setattr(probe, "_mount_for", lambda mounts, path: other)
+        monkeypatch.setattr(probe, "_device_for", lambda m, now: None)
+        clock.advance(1)
+        o3 = probe.collect()
+        for u in o3.paths:
+            assert u.mount is other and u.device is None and u.read_only is True
+            assert u.fs_path == "/x" + u.resolved_path
+        equal = other.model_copy()  # equal, not the same: handed on as itself
+        monkeypatch.setattr(probe, "_mount_for", lambda mounts, path: equal)
+        clock.advance(1)
+        o4 = probe.collect()
+        assert all(u.mount is equal for u in o4.paths)
+        for u in o1.paths + o2.paths + o3.paths + o4.paths:
+            _same_as_validated(u)
+            assert u.statvfs_latency_s is not None and u.total_bytes
+    finally:
+        probe.close()

@@ -105,6 +105,9 @@ class DisksObs(Frozen):
 
 _IO_DEFAULTS = field_defaults(BlockDeviceIO)
 _USAGE_DEFAULTS = field_defaults(PathUsage)
+_SPACE_FIELDS = ("total_bytes", "free_bytes", "free_bytes_root", "used_pct", "total_inodes", "free_inodes",
+                 "inodes_used_pct")  # _space's
+_SHM_FIELDS = ("shm_segments", "sgl_shm_segments", "sgl_shm_bytes")
 _OBS_DEFAULTS = field_defaults(DisksObs)
 
 
@@ -176,6 +179,9 @@ class DisksProbe:
         # path -> (its realpath, the f_fsid statvfs gave, when resolved); each path's own call
         # reads and writes its entry, and one path has one call at a time.
         self._resolved: dict[str, tuple[str, int, float]] = {}
+        # path -> ((kind, resolved, exists, with shm counts), its record's fields but the numbers,
+        # merged into the defaults (its mount and device among them), the names its record sets)
+        self._answered_base: dict[str, tuple[tuple[Any, ...], dict[str, Any], frozenset[str]]] = {}
 
     # -- the tick ------------------------------------------------------------------------------
 
@@ -463,6 +469,9 @@ class DisksProbe:
         resolved = facts.resolved if facts else path
         mount = self._mount_for(mounts, resolved)
         device = self._device_for(mount, now) if mount else None
+        if facts is not None:
+            latency = float(max(0.0, (call.finished or now) - (call.started or queued_at_mono)))
+            return self._answered(path, kind, facts, mount, device, latency)
         if status in (ProbeStatus.timeout, ProbeStatus.busy):
             where = _describe(mount, device)  # only a stuck call's evidence names the mount
             detail = (f"statvfs on {path} did not return in {self.statvfs_deadline_s:g} s{where}"
@@ -472,14 +481,40 @@ class DisksProbe:
             path=path, kind=kind, status=status, detail=detail, mount=mount, device=device,
             fs_path=path_in_filesystem(mount, resolved) if mount and mount.root != "/" else None,
             read_only=mount.read_only if mount else None,
-            stuck_for_s=float(age) if facts is None and status in (ProbeStatus.timeout, ProbeStatus.busy) else None,
+            stuck_for_s=float(age) if status in (ProbeStatus.timeout, ProbeStatus.busy) else None,
         )
-        if facts is not None:
-            entry.update(_space(facts.st), exists=facts.exists, resolved_path=facts.resolved,
-                         statvfs_latency_s=float(max(0.0, (call.finished or now) - (call.started or queued_at_mono))))
-            if facts.shm is not None:
-                entry.update(zip(("shm_segments", "sgl_shm_segments", "sgl_shm_bytes"), facts.shm, strict=True))
         return made(PathUsage, _USAGE_DEFAULTS, entry)
+
+    def _answered(self, path: str, kind: str, facts: _FsFacts, mount: MountInfo | None,
+                  device: BlockDeviceRef | None, latency_s: float) -> PathUsage:
+        """_path_entry's record of a path whose call answered. What follows from the path, its
+        resolution, mount and device alone (the mount's read-only flags split from its options,
+        the path inside its filesystem, the defaults merged in) is kept from the last tick while
+        those are the same (the mount and device are the same objects tick after tick: one
+        identity test each); the numbers are this call's (issue 17: every path, every tick)."""
+        shm = facts.shm
+        key = (kind, facts.resolved, facts.exists, shm is not None)
+        hit = self._answered_base.get(path)
+        # the very mount and device objects: an equal new one is handed on as itself, as before
+        if hit is None or hit[0] != key or hit[1]["mount"] is not mount or hit[1]["device"] is not device:
+            entry: dict[str, Any] = dict(
+                path=path, kind=kind, status=ProbeStatus.ok, detail=None, mount=mount, device=device,
+                fs_path=path_in_filesystem(mount, facts.resolved) if mount and mount.root != "/" else None,
+                read_only=mount.read_only if mount else None, stuck_for_s=None,
+                exists=facts.exists, resolved_path=facts.resolved,
+            )
+            # the fields set as made() sets them: those given here and below
+            names = frozenset(entry).union(_SPACE_FIELDS, ("statvfs_latency_s",),
+                                           _SHM_FIELDS if shm is not None else ())
+            if len(self._answered_base) > 256:  # paths come from the job's open files: bounded
+                self._answered_base.clear()
+            hit = self._answered_base[path] = (key, {**_USAGE_DEFAULTS, **entry}, names)
+        values = hit[1].copy()  # every field, in the declared order: updated in place below
+        values.update(_space(facts.st))
+        values["statvfs_latency_s"] = latency_s
+        if shm is not None:
+            values.update(zip(_SHM_FIELDS, shm, strict=True))
+        return built(PathUsage, values, set(hit[2]))
 
 
 def _device_io(cur: DiskStat, prev_t: tuple[DiskStat, float] | None, now: float,
