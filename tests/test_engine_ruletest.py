@@ -106,3 +106,21 @@ def test_deep_merge_does_not_alias() -> None:
     merged["e"]["f"] = 9
     merged["a"]["b"] = 9
     assert over["e"]["f"] == 1 and base["a"]["b"] == 1
+
+
+def test_unset_leaves_earlier_steps_as_they_were_and_is_seen(tmp_path: Path) -> None:
+    # deep_merge shares the dicts a step does not override with the step before; `unset` took
+    # the key out of that shared dict in place: the earlier step lost it too, and the evaluator,
+    # handed last tick's very object, took it as unchanged and kept the rule true.
+    test = {"base": {"log": {"idle_s": 1, "line": "x"}}, "input": [{}, {"unset": ["log.line"]}]}
+    got = _timeline(test)
+    assert got[0][1]["log"] == {"idle_s": 1, "line": "x"} and got[1][1]["log"] == {"idle_s": 1}
+    (tmp_path / "r.toml").write_text('[[rule]]\nname = "a"\nkind = "hang"\n'
+                                     'condition = "has(log.line)"\nsummary = "s"\n')
+    (tmp_path / "t.toml").write_text(
+        'rule_files = ["r.toml"]\n[[test]]\nname = "gone"\nbase = { log = { line = "x" } }\n'
+        '[[test.input]]\nat_s = 0\n[[test.input]]\nat_s = 1\nunset = ["log.line"]\n'
+        '[[test.expect]]\nat_s = 0\nverdict = "hang"\n'
+        '[[test.expect]]\nat_s = 1\nverdict = "unknown"\n')
+    report = run_test_file(tmp_path / "t.toml")
+    assert report.lines() == [] and report.tests == 1, report.lines()

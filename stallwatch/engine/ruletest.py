@@ -155,11 +155,17 @@ def _scaled(rates: dict[str, Any], elapsed: float, start: dict[str, Any]) -> dic
 
 
 def _unset(d: dict[str, Any], keys: list[str]) -> None:
+    """Take the dotted path out of `d`, copying each dict along it: deep_merge shares what it
+    does not override with the variables of earlier evaluations, and the evaluator takes a dict
+    that is the very object it was given last tick as unchanged (expr.renormalise), so a key
+    popped in place would both rewrite an earlier step and go unseen by this one."""
     here: Any = d
     for k in keys[:-1]:
-        here = here.get(k)
-        if not isinstance(here, dict):
+        below = here.get(k)
+        if not isinstance(below, dict):
             return
+        here[k] = below = dict(below)
+        here = below
     here.pop(keys[-1], None)
 
 
