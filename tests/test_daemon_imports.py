@@ -31,6 +31,8 @@ NOT_IMPORTED = {
     "ssl": "http.client or urllib.request, at module level",
     "urllib.request": "alerts/webhook.py, at module level",
     "slack_sdk": "alerts/slack.py's client, built with the sink",
+    "stallwatch.engine.ruletest": "engine/__init__.py (`stallwatch rules test` only)",
+    "stallwatch.sglang.ptfile": "sglang/__init__.py (torch.save files: the templates' clients)",
 }
 
 # The daemon in a subprocess, through the console script's entry point, for three ticks and

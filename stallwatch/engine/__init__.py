@@ -9,15 +9,17 @@ functions below.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import Iterable, Mapping
 
 from .alerting import (Alert, AlertState, EvalError, Evaluation, Evaluator, EvidenceItem,
                        Transition, Verdict, evaluate_once)
 from .expr import Expr, ExprError, ExprEvalError, Vars, compile_expr
 from .rulefile import KINDS, SEVERITIES, Rule, RuleLoadError, RuleSet, load_rules
-from .ruletest import TestFailure, TestReport, run_test_file
 from .tomlpos import Located
+
+if TYPE_CHECKING:
+    from .ruletest import TestFailure, TestReport, run_test_file
 
 __all__ = [
     "Alert", "AlertState", "EvalError", "Evaluation", "Evaluator", "EvidenceItem", "Expr",
@@ -34,3 +36,13 @@ def check_paths(paths: Iterable[str | Path], schema: Mapping[str, Any] | None = 
     except RuleLoadError as exc:
         return [str(e) for e in exc.errors]
     return []
+
+
+def __getattr__(name: str) -> Any:
+    """The timeline tests (`stallwatch rules test`) on first use: the daemon never runs them
+    (issue 17's RSS)."""
+    if name in ("TestFailure", "TestReport", "run_test_file"):
+        from . import ruletest
+
+        return getattr(ruletest, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

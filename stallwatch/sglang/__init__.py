@@ -13,13 +13,22 @@ Importing this package imports neither torch nor prometheus_client.
 
 from __future__ import annotations
 
-from stallwatch.sglang.ptfile import PtFileError, Tensor, check, load, save
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stallwatch.sglang.ptfile import PtFileError, Tensor, check, load, save
 
 __all__ = ["PtFileError", "Tensor", "check", "load", "save", "launch_server", "ServerProcess",
            "child_processes", "sample_path"]
 
 
 def __getattr__(name: str):  # lazy: the server module is only needed by those who start one
+    if name in ("PtFileError", "Tensor", "check", "load", "save"):
+        # lazy too: the daemon imports this package for serverlog and titles, never ptfile
+        # (issue 17's RSS)
+        from stallwatch.sglang import ptfile
+
+        return getattr(ptfile, name)
     if name in ("launch_server", "ServerProcess", "child_processes"):
         from stallwatch.sglang import protocol_server
 
