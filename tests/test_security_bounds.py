@@ -340,3 +340,34 @@ def test_status_shows_the_watch_warnings_as_text(tmp_path) -> None:
     console = Console(record=True, width=200)
     render_status(doc, console)
     assert f"wide: warning: {warning}" in console.export_text()  # markup in it stays text
+
+
+def test_a_tick_reads_the_cpu_spent_again_only_when_over_its_deadline(monkeypatch) -> None:
+    # Daemon._tick reads the process's CPU clock (a syscall) after a job's tick only when that
+    # tick was over job_tick_deadline_s: _spaced looks at the CPU then alone (issue 17).
+    from types import SimpleNamespace
+
+    import stallwatch.daemon.core as core
+    from stallwatch.daemon.core import Daemon
+
+    reads: list[float] = []
+    monkeypatch.setattr(core.time, "process_time", lambda: reads.append(0.0) or 0.25 * len(reads))
+    now = [0.0]
+    took = {"fast": 0.1, "slow": 0.9}
+    spaced: list[tuple[str, float | None]] = []
+
+    def tick_of(name: str):
+        def tick() -> None:
+            now[0] += took[name]
+        return tick
+
+    runners = [SimpleNamespace(name=n, tick=tick_of(n)) for n in ("fast", "slow")]
+    d = SimpleNamespace(
+        clock=SimpleNamespace(monotonic=lambda: now[0], time=lambda: 1e9 + now[0]),
+        config=SimpleNamespace(daemon=SimpleNamespace(job_tick_deadline_s=0.5)),
+        _due_jobs=lambda t: runners, _job_errors={}, _db=None, ticks=0, dispatcher=None,
+        db=SimpleNamespace(set_metas_later=lambda rows: None), tick_errors=0,
+        _spaced=lambda r, start, end, cpu_s=None: spaced.append((r.name, cpu_s)))
+    Daemon._tick(d)
+    assert spaced == [("fast", None), ("slow", 0.25)]  # the slow one's CPU: read, and its own
+    assert len(reads) == 3  # before each job's tick, after the slow one's only

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stallwatch.daemon.config import load_config
 from stallwatch.daemon.core import Daemon
@@ -154,6 +156,36 @@ def test_verdict_json_is_json_dumps_of_the_doc_byte_for_byte(at: float, warnings
     if warnings:
         doc["watch_warnings"] = warnings
     assert VerdictJson().text(V, at, warnings) == json.dumps(doc)
+
+
+_TEXT = st.text(st.characters(codec=None), max_size=40)  # any code point: escapes, surrogates
+_EVIDENCE = st.lists(st.builds(EvidenceItem, signal=_TEXT, detail=_TEXT), max_size=3).map(tuple)
+
+
+@settings(max_examples=300, deadline=None)
+@given(kind=_TEXT, summary=_TEXT, evidence=_EVIDENCE, advice=st.lists(_TEXT, max_size=3).map(tuple),
+       cause=st.none() | _TEXT, rule=st.none() | _TEXT, severity=st.none() | _TEXT,
+       at=st.floats(allow_nan=False, allow_infinity=False) | st.integers(-2**60, 2**60),
+       warnings=st.lists(_TEXT, max_size=2))
+def test_verdict_json_is_json_dumps_of_any_verdict(kind: str, summary: str, evidence: tuple,
+                                                   advice: tuple, cause: str | None,
+                                                   rule: str | None, severity: str | None,
+                                                   at: float, warnings: list[str]) -> None:
+    # The doc's strings are encoded one by one (verdictjson._head), not by json.dumps of it.
+    v = Verdict(kind=kind, summary=summary, evidence=evidence, advice=advice, cause=cause,
+                rule=rule, severity=severity)
+    doc = verdict_doc(v, at)
+    if warnings:
+        doc["watch_warnings"] = warnings
+    vj = VerdictJson()
+    assert vj.text(V, 1.0) == json.dumps(verdict_doc(V, 1.0))
+    assert vj.text(v, at, warnings) == json.dumps(doc)  # another verdict after one: seen
+
+
+def test_verdict_json_of_a_verdict_built_unvalidated_is_json_dumps_of_it() -> None:
+    v = Verdict.model_construct(kind="healthy", summary="ok", evidence=(), advice=(), cause=None,
+                                rule="healthy", severity=3)  # no str: as json.dumps writes it
+    assert VerdictJson().text(v, 2.5) == json.dumps(verdict_doc(v, 2.5))
 
 
 def test_verdict_json_dumps_only_when_the_verdict_changed() -> None:

@@ -60,12 +60,24 @@ def sample(t_wall: float, v: dict[str, Any], snap: Any = None) -> Sample:
     io = None
     procs = getattr(getattr(snap, "processes", None), "processes", None)
     if procs:
-        known = [p.io for p in procs if p.io is not None and p.state not in ("Z", "X")]
+        total, known = 0, False  # one pass, no list or generator made a tick
+        for p in procs:
+            i = p.io
+            if i is not None and p.state not in ("Z", "X"):
+                total += i.read_bytes + i.write_bytes
+                known = True
         if known:
-            io = float(sum(i.read_bytes + i.write_bytes for i in known))
-    return Sample(t=float(t_wall), done=_num(done),
-                  gpu_util_pct=_num(util) if util is not None and util >= 0 else None,
-                  gpu_mem_bytes=_num(mem), cpu_cores=_num(cpu), io_bytes=io)
+            io = float(total)
+    # Sample(...) as its __init__ would set it, without six object.__setattr__ calls a tick
+    # (a frozen dataclass's; a third of this function's cost, issue 17).
+    s = _new(Sample)
+    _set(s, "__dict__", {"t": float(t_wall), "done": _num(done),
+                         "gpu_util_pct": _num(util) if util is not None and util >= 0 else None,
+                         "gpu_mem_bytes": _num(mem), "cpu_cores": _num(cpu), "io_bytes": io})
+    return s
+
+
+_new, _set = object.__new__, object.__setattr__
 
 
 def _num(x: Any) -> float | None:
