@@ -198,6 +198,34 @@ def test_a_rule_failing_every_tick_becomes_a_warning(caplog) -> None:
     assert sum("tick over its deadline" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_watch_warnings_after_quiet_ticks_see_what_comes(caplog) -> None:
+    # A quiet tick (no rule failing, none before, nothing to say) returns at once: what comes
+    # after it is still seen, and a warning that was logged goes away (issue 17).
+    import logging
+    from types import SimpleNamespace
+
+    from stallwatch.daemon.watchwarn import FAILING_TICKS, WatchWarnings
+    from stallwatch.engine.alerting import EvalError
+
+    w = WatchWarnings("j")
+    assert w.update((), None, 0.0) == [] and w.update((), None, 1.0, 0.1, 0.5) == []
+    wide = SimpleNamespace(truncated="more than max_processes", watched_processes=3,
+                           tree_processes=9, watched_threads=12)
+    with caplog.at_level(logging.WARNING, logger="stallwatch.daemon"):
+        assert "too wide to watch fully" in w.update((), wide, 2.0)[0]
+        assert w.update((), None, 3.0) == []
+        assert "tick over its deadline" in w.update((), None, 4.0, 0.9, 0.5)[0]
+        err = (EvalError(rule="r", where="condition", error="boom"),)
+        got = [w.update(err, None, 5.0 + t) for t in range(FAILING_TICKS)]
+    assert got[-1] and "rule r fails" in got[-1][0] and all(g == [] for g in got[:-1])
+    assert w.update((), None, 20.0) == [] and w.update((), None, 21.0) == []
+    assert sum("too wide" in r.getMessage() for r in caplog.records) == 1
+    with caplog.at_level(logging.WARNING, logger="stallwatch.daemon"):
+        caplog.clear()
+        assert "too wide" in w.update((), wide, 22.0)[0]  # gone, then back: logged again
+    assert sum("too wide" in r.getMessage() for r in caplog.records) == 1
+
+
 # ------------------------------------------------------------------ #9 a tree too wide, #10
 
 

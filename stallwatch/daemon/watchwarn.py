@@ -69,6 +69,10 @@ class WatchWarnings:
                last_tick_s: float | None = None, deadline_s: float | None = None) -> list[str]:
         """This tick's warnings. `last_tick_s`: the previous tick's duration when the daemon
         spaced the job for it (daemon/core.py), else None."""
+        if not errors and not self._streaks and not self._logged and not (
+                procs is not None and getattr(procs, "truncated", None)) and not (
+                last_tick_s is not None and deadline_s is not None and last_tick_s > deadline_s):
+            return []  # the usual tick: no rule failing, none before, nothing to say (issue 17)
         failing: dict[tuple[str, str], str] = {(e.rule, e.where): e.error for e in errors}
         self._streaks = {k: self._streaks.get(k, 0) + 1 for k in failing}
         # (key, text): the texts carry counts that change every tick; the key does not.
