@@ -212,7 +212,7 @@ class _Instance:
 @dataclass(slots=True)
 class _Memo:
     """A rule's last evaluation without an error: what it read and what it gave (inputs.py)."""
-    cond_in: dict[str, Any]
+    cond_in: dict[str, Any] | None  # None: not sliced (`_Reads.exact`), never matched
     active: bool
     labels: tuple[tuple[str, str], ...]
     text_in: dict[str, Any] | None = None  # while active: what its labels and texts read
@@ -235,7 +235,8 @@ class _Reads:
     # of `plain` are read from the variables (textbatch.plain_paths); `every` without them
     ctx: Paths = field(default_factory=dict)
     plain: Plain = field(default_factory=dict)
-    # `cond`'s and `every`'s tokens, and each conjunct prefix's by its trie's id (inputs.dirty)
+    # `cond`'s and `every`'s tokens, and each conjunct prefix's by its trie's id (what
+    # renormalise's `moved` is tested against: inputs.tokens)
     cond_t: frozenset[Token] = frozenset()
     every_t: frozenset[Token] = frozenset()
     conj_t: dict[int, frozenset[Token]] = field(default_factory=dict)
@@ -522,7 +523,7 @@ class Evaluator:
         false conjunct), so a rule that reads only what `same` says did not change since then
         keeps its memo without slicing anything; an active memo's `text_in` is the last tick's.
         What `same` says is read as one set, `moved` (renormalise's), against each rule's tokens."""
-        plan: list[tuple[Rule, _Memo | None, dict[str, Any]]] = []
+        plan: list[tuple[Rule, _Memo | None, dict[str, Any] | None]] = []
         fresh: list[str] = []
         # Rules false at their last evaluation: the context holds what their conditions read,
         # not their texts (each value in it costs microseconds to build: inputs.py); one that
@@ -543,20 +544,27 @@ class Evaluator:
                 # condition given the slice it was given before gives what it gave then).
                 plan.append((rule, memo, memo.cond_in))
                 continue
-            cond_in = pick(data, reads.cond)
-            if (memo is not None and moved is not None and reads.exact
-                    and not reads.cond_t.isdisjoint(moved)):
-                # What its condition reads moved, as renormalise compared it, no deeper than it
-                # reads; so did its first false conjunct's (had it not, it would be kept above:
-                # the prefix reads part of what the condition reads)
-                memo = None
-            elif memo is not None and memo.cond_in != cond_in:
-                if memo.prefix is not None and pick(data, memo.prefix[0]) == memo.prefix[1]:
-                    memo.cond_in = cond_in  # false still: its first false conjunct says so
-                else:
+            cond_in: dict[str, Any] | None = None
+            if moved is not None and reads.exact:
+                # `moved` says whether its condition's slice moved, no less deep than it reads:
+                # not sliced, nor compared (its memo keeps None, which a comparison never
+                # matches). Where it moved, so did its first false conjunct's (had it not, it
+                # would be kept above: the prefix reads part of what the condition reads).
+                if memo is not None:
+                    if not reads.cond_t.isdisjoint(moved) or (
+                            memo.active and memo.text_in != pick(data, reads.text)):
+                        memo = None
+                    else:
+                        cond_in = memo.cond_in
+            else:
+                cond_in = pick(data, reads.cond)
+                if memo is not None and memo.cond_in != cond_in:
+                    if memo.prefix is not None and pick(data, memo.prefix[0]) == memo.prefix[1]:
+                        memo.cond_in = cond_in  # false still: its first false conjunct says so
+                    else:
+                        memo = None
+                elif memo is not None and memo.active and memo.text_in != pick(data, reads.text):
                     memo = None
-            elif memo is not None and memo.active and memo.text_in != pick(data, reads.text):
-                memo = None
             plan.append((rule, memo, cond_in))
             if memo is None:
                 fresh.append(rule.name)
