@@ -91,7 +91,7 @@ def run(
     if log_level is not None:
         cfg = cfg.model_copy(update={"daemon": cfg.daemon.model_copy(
             update={"log_level": log_level.lower()})})
-    from stallwatch.commands.entry import serve
+    from stallwatch.commands.serve import serve
 
     return serve(cfg, tee=tee)
 

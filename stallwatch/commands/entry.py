@@ -8,12 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 from stallwatch.errors import UsageError
-
-if TYPE_CHECKING:
-    from stallwatch.daemon.config import Config
 
 
 def daemon_config(args: list[str]) -> Path | None:
@@ -28,17 +23,6 @@ def daemon_config(args: list[str]) -> Path | None:
     return Path(value) if value and not value.startswith("-") else None
 
 
-def serve(cfg: Config, tee: bool | None = None) -> int:
-    """Run a loaded config: in the foreground with its jobs (exit_with_jobs), or as the daemon."""
-    if cfg.daemon.exit_with_jobs:
-        from stallwatch.commands.runcmd import run_foreground
-
-        return run_foreground(cfg, tee=tee, start_in_dry_run=cfg.daemon.dry_run)
-    from stallwatch.daemon.core import run_daemon
-
-    return run_daemon(cfg)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Entry point: maps every usage/config error to one line on stderr and exit 3."""
     config = daemon_config(sys.argv[1:] if argv is None else argv)
@@ -48,6 +32,8 @@ def main(argv: list[str] | None = None) -> None:
         cli_main(argv)
         return
     from stallwatch.daemon.config import load_config
+
+    from stallwatch.commands.serve import serve
 
     try:  # as stallwatch.commands.cli.main answers the same errors
         rv = serve(load_config(config))
