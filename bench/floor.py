@@ -4,23 +4,23 @@
     python bench/floor.py --pid PID --log LOG --outputs DIR [--interval 1] [--duration S]
 
 Per tick, like stallwatch's probes (no GPU here, no server): the job's descendants (the kernel's
-per-thread `children` lists of the threads that ran, unless /proc/loadavg's last pid, read where
-two or more of a process's threads ran, says no task was made since its reading before; every 10 s
-a listing of /proc with its entries' inodes, and the stat of each process new since the last
-listing), and for each process of the job's tree its task list, each thread's schedstat and stat
-(kept open, re-read with pread), and for a thread that ran or changed state its wchan, syscall,
-stack and sched when it is off-CPU, its status when it is not (or is the main thread, or has no
-schedstat: sched's switch counts are status's) — what stallwatch reads since issue 17 — the
-process's status, io (when a thread of it ran, or one tick in 8), fdinfo of its regular files, its
-fd table and cwd (listed, each fd's readlink) when the count of open fds moved, when its threads
-stopped running, or one tick in 8, the TCP socket tables when it holds a socket that net/unix does
-not name (not /proc/uptime: stallwatch takes it from CLOCK_BOOTTIME on the host, which that file
-shows); the log's new bytes (open, fstat, pread from the remembered offset, close); /dev/kmsg's new
-records; mountinfo (kept open, re-read when poll() reports a mount change), diskstats, the sysfs
-entries of the watched paths' block devices (every 60 s), statvfs of each watched path and /dev/shm
-(and its listing when its mtime moved); the outputs directory's inotify events, drained with one
-read(2) per tick (no thread). Only the parsing needed to walk the tree (ppid) and to follow the
-files is done: no models, no rules, no database.
+per-thread `children` lists of the threads that ran, unless /proc/loadavg's last pid says no task
+was made since the tick before the list's; every 10 s a listing of /proc with its
+entries' inodes, and the stat of each process new since the last listing), and for each process
+of the job's tree its task list, each thread's schedstat and stat (kept open, re-read with
+pread), and for a thread that ran or changed state its wchan, syscall, stack and sched when it
+is off-CPU, its status when it is not (or is the main thread, or has no schedstat: sched's
+switch counts are status's) — what stallwatch reads since issue 17 — the process's status, io
+(when a thread of it ran, or one tick in 8), fdinfo of its regular files, its fd table and cwd
+(listed, each fd's readlink) when the count of open fds moved, when its threads stopped running,
+or one tick in 8, the TCP socket tables when it holds a socket that net/unix does not name (not
+/proc/uptime: stallwatch takes it from CLOCK_BOOTTIME on the host, which that file shows); the
+log's new bytes (open, fstat, pread from the remembered offset, close);
+/dev/kmsg's new records; mountinfo (kept open, re-read when poll() reports a mount change),
+diskstats, the sysfs entries of the watched paths' block devices (every 60 s), statvfs of each
+watched path and /dev/shm (and its listing when its mtime moved); the outputs directory's
+inotify events, drained with one read(2) per tick (no thread). Only the parsing needed to walk
+the tree (ppid) and to follow the files is done: no models, no rules, no database.
 
 With --nvml it also makes the NVML calls stallwatch's gpu probe makes per tick, for every
 device: utilisation, memory (v2), compute and graphics processes, persistence mode, clock event
@@ -214,8 +214,7 @@ class Floor:
         # our own pid namespace's (NSpid names one pid)
         status = read("/proc/self/status") or b""
         nspid = next((ln.split()[1:] for ln in status.splitlines() if ln.startswith(b"NSpid:")), [])
-        self.forks_fd = (os.open("/proc/loadavg", os.O_RDONLY | os.O_CLOEXEC)
-                         if len(nspid) == 1 else None)
+        self.forks_ok = len(nspid) == 1
         self.forks_at: bytes | None = None
         self.unix: dict[str, set[int]] = {}  # ns -> unix socket inodes (the probe skips their TCP tables)
         self.tcp: dict[str, set[int]] = {}  # ns -> inodes once found in a TCP table
@@ -243,18 +242,6 @@ class Floor:
     # -- processes
     FULL_SCAN_EVERY_S = 10.0  # as stallwatch's processes probe
 
-    def forks_stamp(self) -> bytes | None:
-        """/proc/loadavg's last pid when the last reading was the same (TreeWalk._forks_stamp)."""
-        stamp = None
-        if self.forks_fd is not None:
-            try:
-                stamp = os.pread(self.forks_fd, 256, 0).rsplit(None, 1)[-1]
-            except (OSError, IndexError):
-                stamp = None
-        same = stamp if stamp is not None and stamp == self.forks_at else None
-        self.forks_at = stamp
-        return same
-
     def tick_processes(self) -> set[str]:
         children: dict[int, list[int]] = {}
         starts: dict[int, bytes] = {}
@@ -273,7 +260,12 @@ class Floor:
         # the kernel's children lists of the tree's threads: one whose thread ran read again
         # unless no task was made in the pid namespace since the tick before the one that read
         # it (the last pid allocated, read the same by two ticks in a row), as the probe's
-        forks: list[bytes | None] = []  # the stamp, once read this tick (only where it can pay)
+        stamp = None
+        if self.forks_ok:
+            la = self.pread("/proc/loadavg")
+            stamp = la.rsplit(None, 1)[-1] if la else None
+        forks = stamp if stamp is not None and stamp == self.forks_at else None
+        self.forks_at = stamp
         todo = [self.pid]
         while todo:
             p = todo.pop()
@@ -284,26 +276,16 @@ class Floor:
                 continue
             starts[p] = b[b.rfind(b")") + 2:].split()[19]
             zombies[p] = b[b.rfind(b")") + 2:b.rfind(b")") + 3] == b"Z"
-            moved = []
             for t in listdir(f"/proc/{p}/task"):
                 td = f"/proc/{p}/task/{t}"
                 ss = sched_now[td] = self.pread(f"{td}/schedstat")
                 hit = self.kids.get(td)
-                if hit is not None and ss is not None and hit[0] == ss:
-                    children.setdefault(p, []).extend(hit[1])
-                    todo += hit[1]
-                else:
-                    moved.append((td, ss, hit))
-            if len(moved) >= 2 and not forks:
-                forks.append(self.forks_stamp())
-            stamp = forks[0] if forks else None
-            for td, ss, hit in moved:
-                if hit is not None and ss is not None and stamp is not None and hit[2] == stamp:
+                if hit is not None and ss is not None and (
+                        hit[0] == ss or (forks is not None and hit[2] == forks)):
                     kids = hit[1]
-                    self.kids[td] = (ss, kids, stamp)
                 else:
                     kids = [int(k) for k in (read(f"{td}/children") or b"").split()]
-                    self.kids[td] = (ss, kids, stamp)
+                    self.kids[td] = (ss, kids, forks)
                 children.setdefault(p, []).extend(kids)
                 todo += kids
         tree, todo = [], [self.pid]

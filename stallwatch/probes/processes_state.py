@@ -101,7 +101,7 @@ class _Tick:
     sentinel for each default factory, per collect (procs7)."""
 
     __slots__ = ("now", "denied", "net", "unix", "uptime_s", "tids", "sched", "rows", "number",
-                 "memos_seen", "leader_status", "forks", "forks_read")
+                 "memos_seen", "leader_status", "forks")
 
     def __init__(self, now: float, number: int = 0) -> None:
         self.now = now
@@ -125,7 +125,6 @@ class _Tick:
         # The last pid allocated in our pid namespace, when the walk before read it the same:
         # no task was made since (TreeWalk._forks); None: unknown, or one was.
         self.forks: bytes | None = None
-        self.forks_read = False  # forks was read this tick (TreeWalk._forks_stamp)
 
 
 @dataclass(frozen=True, slots=True)

@@ -150,6 +150,9 @@ class TreeWalk:
         re-read only for a thread whose schedstat moved, or when its process's threads changed.
         Those schedstat readings are the tick's first look at each thread; _thread reuses them."""
         cache, self._stat_cache = self._stat_cache, {}
+        stamp = self._forks()
+        tick.forks = stamp if stamp is not None and stamp == self._forks_at else None
+        self._forks_at = stamp
         stats: dict[int, procfs.Stat] = {}
         queue = list(dict.fromkeys([*self._explicit, *self._job, *(p for p, _ in self._members)]))
         seen: set[int] = set()
@@ -233,48 +236,25 @@ class TreeWalk:
         the tick before the one that read it (_forks): a child is a new task. A busy job's
         threads run every tick, and their lists were one read each a tick (procs8)."""
         out: list[int] = []
-        number, pread, limit = tick.number, self._kept.pread, SCHEDSTAT_LIMIT
-        moved = []
+        number, pread, limit, forks = tick.number, self._kept.pread, SCHEDSTAT_LIMIT, tick.forks
         for m in rows:
             try:
                 sched = pread(m.sched_fd, limit, 0)
             except OSError:
                 return None
             m.sched_tick, m.sched_now = number, sched
-            if sched == m.kids_sched:
+            if sched == m.kids_sched or (forks is not None and m.kids_forks == forks):
                 if m.kids:
                     out.extend(m.kids)
-                continue
-            moved.append(m)
-        if not moved:
-            return out
-        # The stamp is one read: asked for (once a tick) only where it can save more than
-        # one, so a job whose one thread runs reads what it did before (its list).
-        forks = tick.forks if tick.forks_read or len(moved) < 2 else self._forks_stamp(tick)
-        for m in moved:
-            if forks is not None and m.kids_forks == forks:
-                # It holds as of the stamp, read after this schedstat: so it holds while the
-                # thread does not run again, as one read under this schedstat would.
-                m.kids_sched = m.sched_now
-                out.extend(m.kids)
                 continue
             try:
                 kids = [int(k) for k in self._kept.read_task_file(
                     self._paths.task(pid, m.tid, "children")).split()]
             except Absent:
                 continue
-            m.kids_sched, m.kids, m.kids_forks = m.sched_now, kids, forks
+            m.kids_sched, m.kids, m.kids_forks = sched, kids, forks
             out.extend(kids)
         return out
-
-    def _forks_stamp(self, tick: _Tick) -> bytes | None:
-        """tick.forks, read now (before any children list it is to stand for): the last pid
-        allocated, when the last reading (an earlier tick's) was the same; else None."""
-        stamp = self._forks()
-        tick.forks = stamp if stamp is not None and stamp == self._forks_at else None
-        tick.forks_read = True
-        self._forks_at = stamp
-        return tick.forks
 
     def _forks(self) -> bytes | None:
         """The last pid allocated in our pid namespace (/proc/loadavg's last field: the pid
@@ -286,10 +266,10 @@ class TreeWalk:
         it, ours among them: so while the value stays, no child was made, and a children list
         read meanwhile still holds (a child leaving is seen through its stat; a sibling's
         exit handing its children over changes the thread list, which is read again). The
-        value is taken as unchanged only when two readings, on different ticks, are the same
-        (tick.forks), and a list keeps it only if read after the later of them: a fork whose
-        pid was taken before the earlier reading but whose child was linked into the list
-        after the list was read would have to last over a tick inside copy_process."""
+        value is taken as unchanged only when two consecutive walks read it the same (tick.forks)
+        and a list keeps it only if read under such a walk: a fork whose pid was taken before
+        the earlier of those reads but whose child was linked into the list after the list was
+        read would have to last the whole interval between two ticks inside copy_process."""
         if self._forks_ok is None:
             ok = False
             if self._paths.is_host() and self._paths.is_procfs():
