@@ -10,12 +10,12 @@ entries' inodes, and the stat of each process new since the last listing), and f
 of the job's tree its task list, each thread's schedstat and stat (kept open, re-read with
 pread), and for a thread that ran or changed state its wchan, syscall, stack and sched when it
 is off-CPU, its status when it is not (or is the main thread, or has no schedstat: sched's
-switch counts are status's) — what stallwatch reads since issue 17 — the process's status, io
-(when a thread of it ran, or one tick in 8), fdinfo of its regular files, its fd table and cwd
-(listed, each fd's readlink) when the count of open fds moved, when its threads stopped running,
-or one tick in 8, the TCP socket tables when it holds a socket that net/unix does not name (not
-/proc/uptime: stallwatch takes it from CLOCK_BOOTTIME on the host, which that file shows); the
-log's new bytes (open, fstat, pread from the remembered offset, close);
+switch counts are status's) — what stallwatch reads since issue 17 — the process's status, io, fdinfo of
+its regular files, its fd table and cwd (listed, each fd's readlink) when the count of open fds
+moved, when its threads stopped running, or one tick in 8, the TCP socket tables
+when it holds a socket that net/unix does not name (not /proc/uptime: stallwatch takes it
+from CLOCK_BOOTTIME on the host, which that file shows); the log's new bytes (open,
+fstat, pread from the remembered offset, close);
 /dev/kmsg's new records; mountinfo (kept open, re-read when poll() reports a mount change),
 diskstats, the sysfs entries of the watched paths' block devices (every 60 s), statvfs of each
 watched path and /dev/shm (and its listing when its mtime moved); the outputs directory's
@@ -245,7 +245,6 @@ class Floor:
     def tick_processes(self) -> set[str]:
         children: dict[int, list[int]] = {}
         starts: dict[int, bytes] = {}
-        zombies: dict[int, bool] = {}
         sched_now: dict[str, bytes | None] = {}
         now = time.monotonic()
         if now - self.full_scan_at >= self.FULL_SCAN_EVERY_S:
@@ -275,7 +274,6 @@ class Floor:
             if not b:
                 continue
             starts[p] = b[b.rfind(b")") + 2:].split()[19]
-            zombies[p] = b[b.rfind(b")") + 2:b.rfind(b")") + 3] == b"Z"
             for t in listdir(f"/proc/{p}/task"):
                 td = f"/proc/{p}/task/{t}"
                 ss = sched_now[td] = self.pread(f"{td}/schedstat")
@@ -321,8 +319,7 @@ class Floor:
                     read(f"{td}/stack")
                     read(f"{td}/sched")
             read(f"{d}/status")
-            if ran or zombies[p] or (p + self.ticks) % 8 == 0:
-                read(f"{d}/io")  # else unchanged: only its threads add to it, as they run
+            read(f"{d}/io")
             key = (p, starts[p])
             # The fd table and cwd as the probe reads them (issue 17): listed again when the
             # count of open fds moves, on the table's turn (one tick in 8), and on the first

@@ -414,11 +414,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             if tids is None:
                 tids, listed = self._list_tids(st), True
             rows = tick.rows.get(pid)
-            # Whether one of its threads ran since its last reading (schedstat moved, or it
-            # was on a CPU); None: they were not all read in the walk's batch. Asked before
-            # _thread_rows, which moves a thread that ran to this reading.
-            ran = None if rows is None or len(rows) > limit else _any_ran(rows)
-            table = self._fd_table(st, rows, ran, tick)
+            table = self._fd_table(st, rows, limit, tick)
             fds = table.fds
             if rows is not None:  # the tree walk read every thread's schedstat: in a batch
                 threads = self._thread_rows(pid, rows[:limit] if len(rows) > limit else rows,
@@ -444,18 +440,18 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         leader = next((t for t in threads if t.tid == pid), None)
         status = tick.leader_status.get(pid) or self._kept_parsed(
             f"{d}/status", procfs.parse_status, "status", tick.denied)
-        io = self._io(f"{d}/io", st, ran, tick)
+        io = self._kept_parsed(f"{d}/io", procfs.parse_io, "io", tick.denied)
         cwd = table.cwd
 
         ctx_v = ctx_n = 0
-        d_max, last = 0.0, None  # the longest in D; the most recent run (last_ran_age_s)
+        d_max, ran = 0.0, None  # the longest in D; the most recent run (last_ran_age_s)
         for t in threads:  # one pass: a wide job's processes have hundreds
             ctx_v += t.voluntary_ctxt_switches
             ctx_n += t.nonvoluntary_ctxt_switches
             if t.d_state_for_s > d_max:
                 d_max = t.d_state_for_s
-            if t.last_ran_age_s is not None and (last is None or t.last_ran_age_s < last):
-                last = t.last_ran_age_s
+            if t.last_ran_age_s is not None and (ran is None or t.last_ran_age_s < ran):
+                ran = t.last_ran_age_s
         cpu_ticks = st.utime_ticks + st.stime_ticks
         tr, interval, cpu_delta = self._track(("p", pid, st.start_ticks), now, st.state,
                                               ctx_v + ctx_n, cpu_ticks)
@@ -479,7 +475,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             comm=st.comm, argv=argv, cmdline=" ".join(argv), cwd=cwd,
             state=st.state, state_since_s=now - tr.state_mono,
             d_state_for_s=d_max,
-            ctx_unchanged_for_s=now - tr.ctx_mono, last_ran_age_s=last,
+            ctx_unchanged_for_s=now - tr.ctx_mono, last_ran_age_s=ran,
             tracked_for_s=now - tr.first_mono,
             wchan=leader.wchan if leader else None,
             voluntary_ctxt_switches=ctx_v, nonvoluntary_ctxt_switches=ctx_n,
@@ -508,25 +504,7 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             denied.add(signal)
             return None
 
-    def _io(self, path: str, st: procfs.Stat, ran: bool | None, tick: _Tick) -> procfs.Io | None:
-        """The process's I/O counters: last tick's reading while none of its threads ran.
-
-        Every counter of /proc/PID/io is its threads' own, each added to by the thread itself
-        as it reads, writes or submits I/O (current->ioac), plus those of its threads that
-        ended (summed into the process's as each exits, a change of the thread list, which
-        is read again): so while no thread ran since the reading that preceded the last read
-        of the file (`ran` False: every thread's schedstat the same), it reads the same. The
-        reading is kept from tick to tick while it is reused, with its descriptor; read
-        afresh one tick in STAT_EVERY_TICKS (in turn, by pid) all the same, and for a zombie
-        (whose file's permission check differs: see exit_code in _process)."""
-        if ran is False and st.state != "Z" and (st.pid + tick.number) % STAT_EVERY_TICKS:
-            hit = self._parsed_before.get(path)
-            if hit is not None:
-                self._parsed[path] = hit
-                return cast("procfs.Io", hit[1])
-        return self._kept_parsed(path, procfs.parse_io, "io", tick.denied)
-
-    def _fd_table(self, st: procfs.Stat, rows: list[_ThreadMemo] | None, ran: bool | None,
+    def _fd_table(self, st: procfs.Stat, rows: list[_ThreadMemo] | None, limit: int,
                   tick: _Tick) -> _FdTable:
         """The process's fd table and cwd: read afresh, or an earlier tick's.
 
@@ -554,7 +532,13 @@ class ProcessesProbe(TreeWalk, ThreadReader):
         pid, key = st.pid, (st.pid, st.start_ticks)
         fd_dir = self._paths.pid(pid, "fd")
         table = self._tables.get(key)
-        if table is not None and ran is not None and (pid + tick.number) % STAT_EVERY_TICKS:
+        if table is not None and rows is not None and len(rows) <= limit \
+                and (pid + tick.number) % STAT_EVERY_TICKS:
+            ran = False
+            for m in rows:  # before _thread_rows, which moves a thread that ran to this reading
+                if m.sched_raw is None or m.sched_now != m.sched_raw:
+                    ran = True
+                    break
             counts = self._fd_counts()
             if ran and counts:
                 try:
@@ -809,17 +793,6 @@ class ProcessesProbe(TreeWalk, ThreadReader):
             with self._lock:
                 watched = {pid for pid, _ in self._members}
                 self._noted = {k: v for k, v in self._noted.items() if k[0] in watched}
-
-
-def _any_ran(rows: list[_ThreadMemo]) -> bool:
-    """Whether a thread ran since its memo's reading: its schedstat, read by this tick's walk,
-    moved, or it was on a CPU then (no schedstat kept)."""
-    ran = False
-    for m in rows:  # a loop, not any(): no generator frame on a wide job's hot path
-        if m.sched_raw is None or m.sched_now != m.sched_raw:
-            ran = True
-            break
-    return ran
 
 
 def _same_objects(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
