@@ -4,8 +4,7 @@
     python bench/floor.py --pid PID --log LOG --outputs DIR [--interval 1] [--duration S]
 
 Per tick, like stallwatch's probes (no GPU here, no server): the job's descendants (the kernel's
-per-thread `children` lists of the threads that ran, unless /proc/loadavg's last pid says no task
-was made since the tick before the list's; every 10 s a listing of /proc with its
+per-thread `children` lists of the threads that ran; every 10 s a listing of /proc with its
 entries' inodes, and the stat of each process new since the last listing), and for each process
 of the job's tree its task list, each thread's schedstat and stat (kept open, re-read with
 pread), and for a thread that ran or changed state its wchan, syscall, stack and sched when it
@@ -209,13 +208,7 @@ class Floor:
         self.ticks = 0
         self.kept_read: set[str] = set()
         self.last: dict[str, tuple[bytes | None, bytes]] = {}  # thread dir -> (schedstat, state)
-        self.kids: dict[str, tuple[bytes | None, list[int], bytes | None]] = {}
-        # /proc/loadavg's last pid, as the probe reads it (TreeWalk._forks): only where /proc is
-        # our own pid namespace's (NSpid names one pid)
-        status = read("/proc/self/status") or b""
-        nspid = next((ln.split()[1:] for ln in status.splitlines() if ln.startswith(b"NSpid:")), [])
-        self.forks_ok = len(nspid) == 1
-        self.forks_at: bytes | None = None
+        self.kids: dict[str, tuple[bytes | None, list[int]]] = {}
         self.unix: dict[str, set[int]] = {}  # ns -> unix socket inodes (the probe skips their TCP tables)
         self.tcp: dict[str, set[int]] = {}  # ns -> inodes once found in a TCP table
 
@@ -256,15 +249,7 @@ class Floor:
             for name, _ in listing - self.known:
                 read(f"/proc/{name}/stat")
             self.known = listing
-        # the kernel's children lists of the tree's threads: one whose thread ran read again
-        # unless no task was made in the pid namespace since the tick before the one that read
-        # it (the last pid allocated, read the same by two ticks in a row), as the probe's
-        stamp = None
-        if self.forks_ok:
-            la = self.pread("/proc/loadavg")
-            stamp = la.rsplit(None, 1)[-1] if la else None
-        forks = stamp if stamp is not None and stamp == self.forks_at else None
-        self.forks_at = stamp
+        # the kernel's children lists of the tree's threads
         todo = [self.pid]
         while todo:
             p = todo.pop()
@@ -278,12 +263,11 @@ class Floor:
                 td = f"/proc/{p}/task/{t}"
                 ss = sched_now[td] = self.pread(f"{td}/schedstat")
                 hit = self.kids.get(td)
-                if hit is not None and ss is not None and (
-                        hit[0] == ss or (forks is not None and hit[2] == forks)):
+                if hit is not None and ss is not None and hit[0] == ss:
                     kids = hit[1]
                 else:
                     kids = [int(k) for k in (read(f"{td}/children") or b"").split()]
-                    self.kids[td] = (ss, kids, forks)
+                    self.kids[td] = (ss, kids)
                 children.setdefault(p, []).extend(kids)
                 todo += kids
         tree, todo = [], [self.pid]

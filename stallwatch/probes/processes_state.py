@@ -92,8 +92,6 @@ class _ThreadMemo:
     # Its children list, read under this schedstat: the same while it does not run (TreeWalk).
     kids_sched: bytes | None = None
     kids: list[int] = field(default_factory=list)
-    # ... and the tick's pid-namespace stamp it was read under (TreeWalk._forks; None: none)
-    kids_forks: bytes | None = None
 
 
 class _Tick:
@@ -101,7 +99,7 @@ class _Tick:
     sentinel for each default factory, per collect (procs7)."""
 
     __slots__ = ("now", "denied", "net", "unix", "uptime_s", "tids", "sched", "rows", "number",
-                 "memos_seen", "leader_status", "forks")
+                 "memos_seen", "leader_status")
 
     def __init__(self, now: float, number: int = 0) -> None:
         self.now = now
@@ -122,9 +120,6 @@ class _Tick:
         # pid -> its main thread's task/PID/status, when read this tick (it ran): the process's
         # own status is the same rendering of the same task, so it is not read and parsed again.
         self.leader_status: dict[int, procfs.Status] = {}
-        # The last pid allocated in our pid namespace, when the walk before read it the same:
-        # no task was made since (TreeWalk._forks); None: unknown, or one was.
-        self.forks: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,10 +72,6 @@ class TreeWalk:
     # process was looked at, and a process's parent changes after its fork only when that parent
     # exits (reparenting to a subreaper or init): one looked at once is not looked at again.
     _host_known: frozenset[tuple[str, int]] = frozenset()
-    # The pid namespace's last allocated pid at the last tree walk (/proc/loadavg's last field,
-    # bytes), and whether reading it says anything here (see _forks): None until decided.
-    _forks_at: bytes | None = None
-    _forks_ok: bool | None = None
 
     def _scan(self, tick: _Tick) -> dict[int, procfs.Stat]:
         now = self.clock.monotonic()
@@ -150,9 +146,6 @@ class TreeWalk:
         re-read only for a thread whose schedstat moved, or when its process's threads changed.
         Those schedstat readings are the tick's first look at each thread; _thread reuses them."""
         cache, self._stat_cache = self._stat_cache, {}
-        stamp = self._forks()
-        tick.forks = stamp if stamp is not None and stamp == self._forks_at else None
-        self._forks_at = stamp
         stats: dict[int, procfs.Stat] = {}
         queue = list(dict.fromkeys([*self._explicit, *self._job, *(p for p, _ in self._members)]))
         seen: set[int] = set()
@@ -219,7 +212,7 @@ class TreeWalk:
                 except Absent:
                     continue
                 if m is not None and sched is not None:
-                    m.kids_sched, m.kids, m.kids_forks = sched, kids, None
+                    m.kids_sched, m.kids = sched, kids
                 out.extend(kids)
             else:
                 if listed or sched_ok:  # every thread of a remembered list was read: it holds
@@ -230,20 +223,16 @@ class TreeWalk:
     def _children_of_rows(self, pid: int, rows: list[_ThreadMemo], tick: _Tick) -> list[int] | None:
         """_children_of for a process whose every listed thread has a memo holding its schedstat
         descriptor: the hot loop of a wide job, one pread and one compare a thread. None when a
-        read fails (a thread is gone: the caller lists them again).
-
-        A thread that ran keeps its list too while no task was made in the pid namespace since
-        the tick before the one that read it (_forks): a child is a new task. A busy job's
-        threads run every tick, and their lists were one read each a tick (procs8)."""
+        read fails (a thread is gone: the caller lists them again)."""
         out: list[int] = []
-        number, pread, limit, forks = tick.number, self._kept.pread, SCHEDSTAT_LIMIT, tick.forks
+        number, pread, limit = tick.number, self._kept.pread, SCHEDSTAT_LIMIT
         for m in rows:
             try:
                 sched = pread(m.sched_fd, limit, 0)
             except OSError:
                 return None
             m.sched_tick, m.sched_now = number, sched
-            if sched == m.kids_sched or (forks is not None and m.kids_forks == forks):
+            if sched == m.kids_sched:
                 if m.kids:
                     out.extend(m.kids)
                 continue
@@ -252,41 +241,9 @@ class TreeWalk:
                     self._paths.task(pid, m.tid, "children")).split()]
             except Absent:
                 continue
-            m.kids_sched, m.kids, m.kids_forks = sched, kids, forks
+            m.kids_sched, m.kids = sched, kids
             out.extend(kids)
         return out
-
-    def _forks(self) -> bytes | None:
-        """The last pid allocated in our pid namespace (/proc/loadavg's last field: the pid
-        allocator's cursor, less one), read before the tick's children lists; None where it
-        tells nothing of the job (not the host's procfs, or a procfs of another pid namespace
-        than ours: /proc/self/status's NSpid has one pid only when they are the same).
-
-        Every task made (fork, clone, a thread) takes a pid in its own namespace and each above
-        it, ours among them: so while the value stays, no child was made, and a children list
-        read meanwhile still holds (a child leaving is seen through its stat; a sibling's
-        exit handing its children over changes the thread list, which is read again). The
-        value is taken as unchanged only when two consecutive walks read it the same (tick.forks)
-        and a list keeps it only if read under such a walk: a fork whose pid was taken before
-        the earlier of those reads but whose child was linked into the list after the list was
-        read would have to last the whole interval between two ticks inside copy_process."""
-        if self._forks_ok is None:
-            ok = False
-            if self._paths.is_host() and self._paths.is_procfs():
-                try:
-                    status = self.roots.read_text(self._paths.host("self/status"))
-                    ns = next((ln.split()[1:] for ln in status.splitlines()
-                               if ln.startswith("NSpid:")), [])
-                    ok = len(ns) == 1 and ns[0] == str(os.getpid())
-                except (Absent, Denied):
-                    pass
-            self._forks_ok = ok
-        if not self._forks_ok:
-            return None
-        try:
-            return self._kept.read(self._paths.host("loadavg")).rsplit(None, 1)[-1]
-        except (Absent, Denied, IndexError):
-            return None
 
     def _rows_of(self, st: procfs.Stat, tids: list[int]) -> list[_ThreadMemo] | None:
         """The memos of this thread list, in its order, when every thread has one holding its
