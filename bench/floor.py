@@ -7,9 +7,8 @@ Per tick, like stallwatch's probes (no GPU here, no server): the job's descendan
 per-thread `children` lists of the threads that ran; every 10 s a listing of /proc with its
 entries' inodes, and the stat of each process new since the last listing), and for each process
 of the job's tree its task list, each thread's schedstat and stat (kept open, re-read with
-pread), and for a thread that ran or changed state its wchan, syscall, stack and sched when it
-is off-CPU, its status when it is not (or is the main thread, or has no schedstat: sched's
-switch counts are status's) — what stallwatch reads since issue 17 — the process's status, io, fdinfo of
+pread), and for a thread that ran or changed state its status (and wchan, syscall, stack, sched
+when it is off-CPU) — what stallwatch reads since issue 17 — the process's status, io, fdinfo of
 its regular files, its fd table and cwd (listed, each fd's readlink) when the count of open fds
 moved, when its threads stopped running, or one tick in 8, the TCP socket tables
 when it holds a socket that net/unix does not name (not /proc/uptime: stallwatch takes it
@@ -294,10 +293,8 @@ class Floor:
                 if ss is not None and before == (ss, state) and state not in (b"R", b"Z", b"X"):
                     continue  # did not run since the last tick: nothing else can have changed
                 ran = True
-                blocked = state not in (b"R", b"Z", b"X")
-                if not blocked or ss is None or t == str(p):
-                    read(f"{td}/status")  # else sched's switch counts stand for it, as the probe's
-                if blocked:
+                read(f"{td}/status")
+                if state not in (b"R", b"Z", b"X"):
                     read(f"{td}/wchan")
                     read(f"{td}/syscall")
                     read(f"{td}/stack")

@@ -22,7 +22,6 @@ from rigs import (FakeProc, frozen_ext4, root, spawned,  # noqa: F401 (root is a
                   task_state, wait_until)
 
 from stallwatch.clock import FakeClock
-from stallwatch.kernel import procfs
 from stallwatch.probes import processes_threads as threads_mod
 from stallwatch.probes.processes import ProcessesProbe, ProcessObs, ThreadObs
 from stallwatch.kernel.roots import Roots
@@ -687,32 +686,3 @@ def test_a_thread_files_bytes_unchanged_since_the_last_tick_are_not_parsed_again
     assert len(parses) == expected < len(reads)
     n_last, data_last = reads[-1]
     assert n_last == 7 and seen[-1] == real(data_last.decode())
-
-
-def test_a_thread_that_ran_off_cpu_reads_its_switches_from_sched_not_status():
-    """A thread other than the main one that ran and is off-CPU again has its sched read (when
-    it last ran), which prints status's two context-switch counters: its status is not read at
-    all, and it reports the counts status shows (procs8; bench/floor.py reads the same way)."""
-    if not has_schedstat():
-        pytest.skip("this kernel has no /proc/PID/task/TID/schedstat (CONFIG_SCHED_INFO)")
-    clock = FakeClock()
-    with job("pipe") as proc:
-        tid = worker_of(proc)
-        if not os.path.isfile(f"/proc/{proc.pid}/task/{tid}/sched"):
-            pytest.skip("no /proc/PID/sched (CONFIG_SCHED_DEBUG)")
-        probe = ProcessesProbe(Target(pids=(proc.pid,)), clock=clock)
-        before = thread(probe, proc.pid, tid)
-        clock.advance(1.0)
-        go(proc)
-        wait_until(lambda: Path(f"/proc/{proc.pid}/task/{tid}/syscall").read_text().split()[0] == "0",
-                   what="the worker to block in read")
-        after = thread(probe, proc.pid, tid)
-        held = set(open_proc_files().values())
-        status = Path(f"/proc/{proc.pid}/task/{tid}/status").read_text()
-    assert after.syscall == "read" and after.ctx_unchanged_for_s == 0.0
-    assert f"/proc/{proc.pid}/task/{tid}/sched" in held
-    assert f"/proc/{proc.pid}/task/{tid}/status" not in held, sorted(held)
-    st = procfs.parse_status(status)
-    assert (after.voluntary_ctxt_switches, after.nonvoluntary_ctxt_switches) == (
-        st.voluntary_ctxt_switches, st.nonvoluntary_ctxt_switches)
-    assert after.voluntary_ctxt_switches > before.voluntary_ctxt_switches

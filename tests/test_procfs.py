@@ -343,11 +343,11 @@ def test_net_unix_inodes_name_a_live_socketpair_and_nothing_of_a_tcp_socket():
 
 
 def _general_sched(text: str):
-    """parse_sched_run with its fast path off: the general line-by-line parse."""
+    """parse_sched_last_run with its fast path off: the general line-by-line parse."""
     fast = procfs._sched_fast
     procfs._sched_fast = lambda t: None
     try:
-        return procfs.parse_sched_run(text)
+        return procfs.parse_sched_last_run(text)
     finally:
         procfs._sched_fast = fast
 
@@ -374,7 +374,6 @@ def test_status_sched_and_io_fast_paths_read_what_the_general_parse_reads():
             continue
         assert procfs._sched_fast(sched) is not None, sched[:200]
         assert procfs._sched_fast(sched) == _general_sched(sched), d
-        assert None not in procfs.parse_sched_run(sched), sched[:200]  # its switches too
         scheds += 1
     assert statuses >= 3 and scheds >= 1
     for io_text in (Path(f"/proc/{os.getpid()}/io").read_text(), text("client", "io")):
@@ -403,7 +402,7 @@ def test_sched_fast_path_leaves_an_odd_header_to_the_general_parse():
     body = (f"{'-' * 67}\n{'se.exec_start':<45}:{'15050014.665672':>21}\n"
             f"{'se.sum_exec_runtime':<45}:{'1.013071':>21}\n")
     normal = f"python3 (42, #threads: 1)\n{body}"
-    assert procfs._sched_fast(normal) == (pytest.approx(15050.014665672), 1013071, None, None)
+    assert procfs._sched_fast(normal) == (pytest.approx(15050.014665672), 1013071)
     odd = f"a\nse.exec_start:9 (42, #threads: 1)\n{body}"
     assert procfs._sched_fast(odd) is None
     assert procfs.parse_sched_last_run(odd) == (pytest.approx(15050.014665672), 1013071)
@@ -423,38 +422,3 @@ def test_stat_ppid_alone_is_what_the_full_parse_says():
     for bad in (b"", b"12 (x", b"12 (x) S", b"12 x) S 1"):
         with pytest.raises(ValueError):
             procfs.parse_stat_ppid(bad)
-
-
-def test_sched_run_gives_statuss_context_switches():
-    """sched's nr_voluntary_switches and nr_involuntary_switches are status's two counters (the
-    task's nvcsw and nivcsw): a thread that ran reads one file for both (procs8). A sleeping
-    thread of ours, read twice in a row, shows the same pair in both; a comm shaped like a key
-    is not read, in either parse; a field left out reads as None, and status is read then."""
-    import threading
-    import time
-    ev = threading.Event()
-    t = threading.Thread(target=ev.wait, daemon=True)
-    t.start()
-    try:
-        wait = f"/proc/self/task/{t.native_id}"
-        if not os.path.exists(f"{wait}/sched"):
-            pytest.skip("no /proc/PID/sched (CONFIG_SCHED_DEBUG)")
-        deadline = time.monotonic() + 5
-        while Path(f"{wait}/stat").read_text().rsplit(")", 1)[1].split()[0] != "S":
-            assert time.monotonic() < deadline
-        st = procfs.parse_status(Path(f"{wait}/status").read_text())
-        run = procfs.parse_sched_run(Path(f"{wait}/sched").read_text())
-        assert run[2:] == (st.voluntary_ctxt_switches, st.nonvoluntary_ctxt_switches)
-    finally:
-        ev.set()
-    body = (f"{'-' * 67}\n{'se.exec_start':<45}:{'15050014.665672':>21}\n"
-            f"{'se.sum_exec_runtime':<45}:{'1.013071':>21}\n"
-            f"{'nr_switches':<45}:{'12':>21}\n{'nr_voluntary_switches':<45}:{'7':>21}\n"
-            f"{'nr_involuntary_switches':<45}:{'5':>21}\n")
-    for comm in ("python3", "nr_voluntary_switches", "a\nnr_voluntary_switches:9"):
-        text = f"{comm} (42, #threads: 1)\n{body}"
-        assert procfs.parse_sched_run(text) == (pytest.approx(15050.014665672), 1013071, 7, 5)
-        assert _general_sched(text) == (pytest.approx(15050.014665672), 1013071, 7, 5)
-    garbled = body.replace(f"{'7':>21}", f"{'x':>21}")
-    assert procfs.parse_sched_run(f"p (1, #threads: 1)\n{garbled}")[2:] == (None, 5)
-    assert _general_sched(f"p (1, #threads: 1)\n{garbled}")[2:] == (None, 5)

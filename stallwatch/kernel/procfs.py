@@ -320,20 +320,10 @@ def parse_sched_exec_start_s(text: str) -> float | None:
 
 
 def parse_sched_last_run(text: str) -> tuple[float | None, int | None]:
-    """(`se.exec_start` in seconds, `se.sum_exec_runtime` in ns) from /proc/PID/sched: the first
-    two of parse_sched_run's."""
-    run = parse_sched_run(text)
-    return run[0], run[1]
-
-
-def parse_sched_run(text: str) -> tuple[float | None, int | None, int | None, int | None]:
-    """(`se.exec_start` in seconds, `se.sum_exec_runtime` in ns, `nr_voluntary_switches`,
-    `nr_involuntary_switches`) from /proc/PID/sched; None for a field the kernel does not print.
-    sum_exec_runtime is schedstat's first field too (the same task->se.sum_exec_runtime, printed
-    here in ms with 6 decimals by kernel/sched/debug.c's PN), so the two files say whether the
-    task ran between their reads. The switch counts are the task's nvcsw and nivcsw, the very
-    counters status prints as voluntary_ctxt_switches and nonvoluntary_ctxt_switches
-    (fs/proc/array.c): a thread that ran needs only one of the two files (procs8).
+    """(`se.exec_start` in seconds, `se.sum_exec_runtime` in ns) from /proc/PID/sched; None for a
+    field the kernel does not print. sum_exec_runtime is schedstat's first field too (the same
+    task->se.sum_exec_runtime, printed here in ms with 6 decimals by kernel/sched/debug.c's PN),
+    so the two files say whether the task ran between their reads.
 
     The first line is "COMM (PID, #threads: N)", and the comm is the task's to choose (prctl
     PR_SET_NAME, 15 bytes, a newline included): a thread named "se.exec_start" made the line
@@ -347,7 +337,7 @@ def parse_sched_run(text: str) -> tuple[float | None, int | None, int | None, in
     lines = text.splitlines()
     start = next((i + 1 for i, ln in enumerate(lines) if len(ln) >= 20 and not ln.strip("-")), 1)
     exec_start_s: float | None = None
-    sum_ns = nvcsw = nivcsw = None
+    sum_ns: int | None = None
     for line in lines[start:]:
         key, _, value = line.partition(":")
         key = key.strip()
@@ -356,26 +346,18 @@ def parse_sched_run(text: str) -> tuple[float | None, int | None, int | None, in
         elif key == "se.sum_exec_runtime":
             ms, _, frac = value.strip().partition(".")
             sum_ns = int(ms) * 1_000_000 + int((frac + "000000")[:6])
-        elif key in ("nr_voluntary_switches", "nr_involuntary_switches"):
-            # None when unreadable: then status is read for them, as before these were read
-            count = int(value) if value.strip().isdecimal() else None
-            if key == "nr_voluntary_switches":
-                nvcsw = count
-            else:
-                nivcsw = count
-    return exec_start_s, sum_ns, nvcsw, nivcsw
+    return exec_start_s, sum_ns
 
 
 _DASHES = "\n" + "-" * 20
-_SCHED_KEYS = ("\nse.exec_start ", "\nse.sum_exec_runtime ", "\nnr_voluntary_switches ",
-               "\nnr_involuntary_switches ")  # in the kernel's order
+_SE_EXEC_START, _SE_SUM = "\nse.exec_start ", "\nse.sum_exec_runtime "
 
 
-def _sched_fast(text: str) -> tuple[float | None, int | None, int | None, int | None] | None:
-    """parse_sched_run for the kernel's layout (the header, a row of dashes on the second
-    line, then `%-45s:%21Ld.%06ld` lines: kernel/sched/debug.c), looking up its four keys in
-    their order instead of splitting some 40 lines; read a thread that ran every tick. None
-    for anything else (a comm with a newline in it, a fixture), which the general parse reads."""
+def _sched_fast(text: str) -> tuple[float | None, int | None] | None:
+    """parse_sched_last_run for the kernel's layout (the header, a row of dashes on the second
+    line, then `%-45s:%21Ld.%06ld` lines: kernel/sched/debug.c), looking up its two keys
+    instead of splitting some 40 lines; read a thread that ran every tick. None for anything
+    else (a comm with a newline in it, a fixture), which the general parse reads."""
     dash = text.find(_DASHES)
     if dash < 0 or dash != text.find("\n"):  # the row must be the second line
         return None
@@ -383,34 +365,25 @@ def _sched_fast(text: str) -> tuple[float | None, int | None, int | None, int | 
     if end < 0 or text[dash + 1:end].strip("-"):
         return None
     out: list[float | int | None] = []
-    at = end
-    for n, key in enumerate(_SCHED_KEYS):
-        i = text.find(key, at)
+    for key in (_SE_EXEC_START, _SE_SUM):
+        i = text.find(key, end)
         if i < 0:
-            i = text.find(key, end)  # not in the order expected: from the top
-            if i < 0:
-                out.append(None)
-                continue
+            out.append(None)
+            continue
         eol = text.find("\n", i + 1)
-        if eol < 0:
-            eol = len(text)
-        name, sep, value = text[i + 1:eol].partition(":")
+        name, sep, value = text[i + 1:eol if eol >= 0 else len(text)].partition(":")
         if not sep or name.rstrip() != key[1:-1]:
             return None
         try:
-            if n == 0:
+            if key is _SE_EXEC_START:
                 out.append(float(value) / 1000.0)
-            elif n == 1:
+            else:
                 ms, _, frac = value.strip().partition(".")
                 out.append(int(ms) * 1_000_000 + int((frac + "000000")[:6]))
-            else:
-                value = value.strip()
-                out.append(int(value) if value.isdecimal() else None)
         except ValueError:
             return None
-        at = eol
-    exec_start_s, sum_ns, nvcsw, nivcsw = out
-    return (exec_start_s, sum_ns, nvcsw, nivcsw)  # type: ignore[return-value]
+    exec_start_s, sum_ns = out
+    return (exec_start_s, sum_ns)  # type: ignore[return-value]
 
 
 def parse_uptime_s(text: str) -> float:

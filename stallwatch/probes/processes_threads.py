@@ -139,35 +139,26 @@ class ThreadReader:
                 and (memo.sched_raw == sched if sched is not None
                      else status is not None and memo.ctx == _ctx(status))):
             return self._thread_again(memo, st, sched, fds, tick)
-        denied: set[str] = set()
-        opt = self._kept_optional
-        # sched, read after stat for _ran_uptime, carries status's context switches too (the
-        # task's nvcsw and nivcsw): an off-CPU thread other than the main one reads it alone
-        # (procs8: the main one's status is the process's, below). Without schedstat, status
-        # was read above: its switches are the signal that the thread ran.
-        run = (opt(f"{d}/sched", procfs.parse_sched_run, "sched", denied)
-               if blocked else None)
         try:
-            if status is not None:
-                ctx = _ctx(status)
-            elif (tid != pid and run is not None and run[2] is not None
-                  and run[3] is not None):
-                ctx = (run[2], run[3])
-            else:
+            if status is None:
                 status = procfs.parse_status(
                     self._kept.read(f"{d}/status", 0.5).decode("utf-8", "replace"))
-                ctx = _ctx(status)
         except (Absent, Denied):
             return None
-        if tid == pid and status is not None:
+        if tid == pid:
             tick.leader_status[pid] = status
+        ctx = _ctx(status)
         tr, _, cpu_delta = self._track(("t", tid, st.start_ticks), now, st.state, sum(ctx),
                                        st.utime_ticks + st.stime_ticks)
+        denied: set[str] = set()
+        opt = self._kept_optional
         wchan = opt(f"{d}/wchan", procfs.parse_wchan, "wchan", denied) if blocked else None
         sc = opt(f"{d}/syscall", self._parse_syscall, "syscall", denied) if blocked else None
         stack = (opt(f"{d}/stack", procfs.parse_stack, "stack", denied)
                  if blocked and self.read_stacks else None)
-        ran_up = self._ran_uptime(run, sched, st, tick) if blocked else None
+        ran_up = (self._ran_uptime(opt(f"{d}/sched", procfs.parse_sched_last_run,
+                                                  "sched", denied), sched, st, tick)
+                  if blocked else None)
         run_wait = None  # schedstat's (ns on a CPU, ns waiting for one), for runnable threads
         if st.state == "R" and self._has_schedstat(pid):
             if sched is None:
@@ -348,8 +339,8 @@ class ThreadReader:
         tick.memos_seen += 1
         return obs
 
-    def _ran_uptime(self, run: tuple[float | None, int | None, int | None, int | None] | None,
-                    sched: bytes | None, st: procfs.Stat, tick: _Tick) -> float | None:
+    def _ran_uptime(self, run: tuple[float | None, int | None] | None, sched: bytes | None,
+                    st: procfs.Stat, tick: _Tick) -> float | None:
         """When the thread last ran, in /proc/uptime seconds. se.exec_start is on the clock of
         the CPU it ran on, behind uptime by that CPU's stolen time (kernel/schedclock.py): on
         the host that lag is measured and added; a capture's clocks are taken as read.
@@ -359,7 +350,7 @@ class ThreadReader:
         se.sum_exec_runtime equal to schedstat's first field (read before stat) says it did not
         run since; when they differ it ran during this collect, so it just ran (short by at most
         the collect), and its moved schedstat has the next collect read it afresh."""
-        exec_start_s, sum_ns = (run[0], run[1]) if run is not None else (None, None)
+        exec_start_s, sum_ns = run if run is not None else (None, None)
         if exec_start_s is None:
             return None
         if sched is not None and sum_ns is not None:
