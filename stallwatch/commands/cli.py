@@ -14,7 +14,7 @@ import typer
 from stallwatch.commands.cli_options import (LogOpt, MatchOpt, OutputsOpt, PidOpt, RegexOpt,
                                              RulesOpt, ServerLogOpt, ServerOpt, WindowOpt)
 from stallwatch.commands.cli_run import run, watch
-from stallwatch.errors import UsageError
+from stallwatch.errors import UsageError, exit_with
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="A watchdog for long GPU pipelines: sees a stall, says why, acts safely.")
@@ -451,13 +451,14 @@ def demo(
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: maps every usage/config error to one line on stderr and exit 3."""
+    exit_with(lambda: _app(argv))
+
+
+def _app(argv: list[str] | None) -> object:
+    """The typer app, its own exits and click's usage errors mapped; the rest as exit_with() maps
+    them (a UsageError has no format_message: re-raised to it)."""
     try:
-        rv = app(args=argv, standalone_mode=False, prog_name="stallwatch")
-    except UsageError as e:
-        print(f"stallwatch: {e}", file=sys.stderr)
-        sys.exit(3)
-    except KeyboardInterrupt:
-        sys.exit(130)
+        return app(args=argv, standalone_mode=False, prog_name="stallwatch")
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except typer.Abort:
@@ -469,4 +470,3 @@ def main(argv: list[str] | None = None) -> None:
             print(f"stallwatch: {e.format_message()}{hint}", file=sys.stderr)
             sys.exit(3)
         raise
-    sys.exit(rv if isinstance(rv, int) else 0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from stallwatch.errors import UsageError
+from stallwatch.errors import exit_with
 
 
 def daemon_config(args: list[str]) -> Path | None:
@@ -35,11 +35,4 @@ def main(argv: list[str] | None = None) -> None:
 
     from stallwatch.commands.serve import serve
 
-    try:  # as stallwatch.commands.cli.main answers the same errors
-        rv = serve(load_config(config))
-    except UsageError as e:
-        print(f"stallwatch: {e}", file=sys.stderr)
-        sys.exit(3)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    sys.exit(rv if isinstance(rv, int) else 0)
+    exit_with(lambda: serve(load_config(config)))
