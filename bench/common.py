@@ -435,6 +435,14 @@ def workdir(name: str, keep: bool = False) -> Iterator[Path]:
             shutil.rmtree(d, ignore_errors=True)
 
 
+def emit(obj: Any, path: Path | None) -> None:
+    """A standalone bench script's result: printed as JSON, and written to `path` when given."""
+    text = json.dumps(obj, indent=1)
+    print(text)
+    if path:
+        path.write_text(text + "\n")
+
+
 def dump(obj: Any, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=1, default=str) + "\n")

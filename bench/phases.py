@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
-import json
 import os
 import pkgutil
 import signal
@@ -33,6 +32,8 @@ from typing import Any
 
 ROOT = Path(os.getcwd())
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+from bench.common import emit  # noqa: E402 - after the tree to measure is put first
 _acc: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # label -> [ns, calls]
 _on = [False]
 
@@ -155,10 +156,7 @@ def main() -> int:
         except OSError:
             pass
         job.wait()
-    text = json.dumps(res, indent=1)
-    print(text)
-    if a.out:
-        a.out.write_text(text + "\n")
+    emit(res, a.out)
     return 0
 
 

@@ -12,7 +12,6 @@ first. This is how issue 17's RSS on the lent H200 was taken apart (`bench/resul
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import start_daemon, workdir
+from bench.common import emit, start_daemon, workdir
 
 
 def by_mapping(pid: int, top: int = 25) -> dict[str, Any]:
@@ -72,10 +71,7 @@ def main() -> int:
             for p in (*procs.values(), job):
                 p.kill()
                 p.wait()
-    text = json.dumps(out, indent=1)
-    print(text)
-    if a.out:
-        a.out.write_text(text + "\n")
+    emit(out, a.out)
     return 0
 
 
