@@ -305,7 +305,7 @@ def _prefixes(x):
 @given(a=_vars, b=_vars, handed=st.sets(st.sampled_from(["job", "log", "proc", "now"])))
 def test_what_renormalise_says_moved_is_what_same_says_changed(a, b, handed) -> None:
     # The evaluator tests each rule's tokens against the set renormalise fills (issue 17,
-    # eighth pass), not its trie against `same`: whatever `same` calls unchanged, so does the
+    # seventh pass), not its trie against `same`: whatever `same` calls unchanged, so does the
     # set, and whatever the set calls unchanged reads the same slice as last time, for paths
     # that are there, went, came, or are not there at all.
     odd: list[type] = []

@@ -141,7 +141,7 @@ def unchanged(trie: Paths, same: dict[str, Any]) -> bool:
     return True
 
 
-# `unchanged` as one set operation (issue 17, eighth pass): a rule's trie as the set of what may
+# `unchanged` as one set operation (issue 17, seventh pass): a rule's trie as the set of what may
 # move under it (`tokens`), a tick's moves as the set expr.renormalise fills (its `moved`); the
 # trie is unchanged when the two are disjoint, tested in C for each of ~20 rules a tick, instead
 # of walking every trie against renormalise's `same` in Python. A token is a root (the whole
